@@ -1,0 +1,1 @@
+"""Built-in architecture plugins, one file per model family."""

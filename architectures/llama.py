@@ -1,0 +1,149 @@
+"""Llama family: Llama 2/3.x, SmolLM/SmolLM2, TinyLlama, Mistral without sliding window.
+
+Built from fw's shared layers: fused QKV and gate/up linears (delegating to the
+quantization method), RMSNorm, rotary embedding (every HF rope type), and the
+selected attention backend over the paged KV cache."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fw.layers import Attention, Linear, ModelContext, RMSNorm, RotaryEmbedding, load_named_weights
+from fw.plugins import ArchitectureSpec, hookimpl
+
+FW_PLUGIN_API_VERSION = "1.0"
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, prefix: str, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = q, kv
+        bias = getattr(cfg, "attention_bias", False)
+        self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], ctx, f"{prefix}.qkv_proj", bias=bias)
+        self.o_proj = Linear(q, cfg.hidden_size, ctx, f"{prefix}.o_proj", bias=bias)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ctx)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(positions, q, k, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, prefix: str):
+        super().__init__()
+        inter = cfg.intermediate_size
+        bias = getattr(cfg, "mlp_bias", False)
+        self.inter = inter
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], ctx, f"{prefix}.gate_up_proj", bias=bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, ctx, f"{prefix}.down_proj", bias=bias)
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"Llama MLP supports hidden_act 'silu', not {cfg.hidden_act!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, prefix: str, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.self_attn = LlamaAttention(cfg, ctx, f"{prefix}.self_attn", rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.mlp = LlamaMLP(cfg, ctx, f"{prefix}.mlp")
+
+    def forward(self, x, residual, positions, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = RotaryEmbedding(cfg, head_dim, max_positions, ctx.dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, ctx, f"model.layers.{i}", rotary) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint sub-name -> (fused sub-name, shard index)
+    FUSED = {
+        ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, ctx, max_positions or cfg.max_position_embeddings)
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
+
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tie:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.tie else ())
+        return load_named_weights(self, weights, fused=self.FUSED, skip=skip)
+
+
+def unpermute_gguf_qk(name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
+    """llama.cpp stores Q/K rows interleaved for its rope; restore HF's rotate-half order."""
+    if name.endswith("q_proj.weight"):
+        heads = cfg.num_attention_heads
+    elif name.endswith("k_proj.weight"):
+        heads = cfg.num_key_value_heads
+    else:
+        return tensor
+    rows = tensor.shape[0]
+    return tensor.reshape(heads, rows // heads // 2, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+
+
+def build(cfg, ctx: ModelContext, max_positions: int | None = None) -> LlamaForCausalLM:
+    return LlamaForCausalLM(cfg, ctx, max_positions)
+
+
+@hookimpl
+def fw_register_architectures(register) -> None:
+    register(ArchitectureSpec(
+        name="llama",
+        hf_architectures=("LlamaForCausalLM",),
+        gguf_architectures=("llama",),
+        build=build,
+        gguf_weight_transform=unpermute_gguf_qk,
+        description="Llama 2/3.x, SmolLM/SmolLM2, TinyLlama",
+    ))

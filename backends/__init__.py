@@ -1,0 +1,1 @@
+"""Built-in backend plugins: attention, sampling, grammar."""

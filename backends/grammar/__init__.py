@@ -1,0 +1,1 @@
+"""Grammar backends (structured output) live here; see the grammar-backend contract in fw.plugins."""

@@ -1,0 +1,24 @@
+"""Chat messages to a prompt through the tokenizer's own chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fw.errors import InvalidRequestError
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                chat_template_kwargs: dict | None = None) -> dict[str, Any]:
+    """Returns {"prompt": text, "prompt_token_ids": ids}; the template adds any special tokens."""
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt instead",
+                                  param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(chat_template_kwargs or {}))
+    except Exception as exc:  # template errors (role order, missing fields) are the caller's to fix
+        raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return {"prompt": text, "prompt_token_ids": ids}

@@ -1,0 +1,1 @@
+"""The `fw` command line."""

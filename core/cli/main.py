@@ -1,0 +1,69 @@
+"""`fw`: subcommands from the core (generate, plugins) plus any a plugin registers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from fw.errors import FwError
+from fw.version import PLUGIN_API_VERSION, __version__
+
+
+def build_parser(plugins=None) -> argparse.ArgumentParser:
+    from fw.cli import generate, plugins_cmd
+
+    parser = argparse.ArgumentParser(prog="fw", description="fw: a plugin-first LLM inference framework")
+    parser.add_argument("--version", action="version", version=f"fw {__version__} (plugin API {PLUGIN_API_VERSION})")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = {}
+    for module in (generate, plugins_cmd):
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.configure(p)
+        commands[module.NAME] = module.run
+    if plugins is not None:
+        for spec in plugins.registry("cli_command"):
+            if spec.name in commands:
+                continue  # core commands keep their names
+            p = sub.add_parser(spec.name, help=spec.help, description=spec.help)
+            spec.configure(p)
+            commands[spec.name] = spec.run
+        for name, p in sub.choices.items():
+            plugins.pm.hook.fw_add_cli_arguments(command=name, parser=p)
+    parser.set_defaults(_commands=commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    plugins = None
+    if not any(a in ("--version", "-h", "--help") for a in argv[:1]):
+        from fw.plugins.manager import get_plugin_manager
+
+        strict = "--strict-plugins" in argv
+        try:
+            plugins = get_plugin_manager()
+            if strict:
+                plugins.strict = True
+                plugins.raise_if_strict()
+        except FwError as exc:
+            print(f"fw: error: {exc}", file=sys.stderr)
+            return 2
+    parser = build_parser(plugins)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if not args.command:
+        parser.print_help()
+        return 0
+    try:
+        return int(args._commands[args.command](args) or 0)
+    except FwError as exc:
+        print(f"fw: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Engine configuration: one typed dataclass from which CLI flags, `FW_*`
+environment variables and YAML `--config` keys are derived.
+
+Precedence, lowest to highest: defaults < YAML file < environment < CLI.
+A field's flag is its name with dashes (`max_batch_size` -> `--max-batch-size`),
+its variable is `FW_` + the upper-cased name (`FW_MAX_BATCH_SIZE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fw.errors import ConfigError
+
+
+def _opt(help: str, **extra: Any) -> dict:
+    return {"help": help, **extra}
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes an engine. Library keyword arguments use these names."""
+
+    model: str | None = field(default=None, metadata=_opt(
+        "Model: a local directory, a .gguf file, or a Hugging Face hub id (resolved through the HF cache)."))
+    revision: str | None = field(default=None, metadata=_opt("Hub revision (branch, tag or commit) of --model."))
+    tokenizer: str | None = field(default=None, metadata=_opt("Tokenizer directory or hub id, if not the model's."))
+    trust_remote_code: bool = field(default=False, metadata=_opt("Allow model repos to run their own Python code."))
+    dtype: str = field(default="auto", metadata=_opt(
+        "Weight and activation dtype. auto: the checkpoint's dtype (float16 becomes bfloat16 on CPU; GGUF: float32).",
+        choices=("auto", "float32", "bfloat16", "float16")))
+    device: str = field(default="auto", metadata=_opt("cpu, cuda, cuda:N, or auto (cuda when available)."))
+    seed: int = field(default=0, metadata=_opt("Seed for requests that set none."))
+    max_length: int | None = field(default=None, metadata=_opt(
+        "Longest sequence (prompt + output) served; default: the model's context length."))
+    attention_backend: str = field(default="auto", metadata=_opt(
+        "Attention backend plugin by name, or auto (the highest-priority one that can run)."))
+    sampling_backend: str = field(default="default", metadata=_opt("Sampler plugin that makes the final token choice."))
+    quantization: str | None = field(default=None, metadata=_opt(
+        "Quantization method plugin; default: from the checkpoint's quantization_config."))
+    kv_cache_page_size: int = field(default=16, metadata=_opt("Tokens per KV-cache page (block)."))
+    kv_cache_memory: str = field(default="1GiB", metadata=_opt(
+        "KV-cache size on CPU, e.g. 512MiB, 2GiB, or a byte count."))
+    device_memory_utilization: float = field(default=0.9, metadata=_opt(
+        "On GPU: fraction of device memory fw may use for weights, activations and KV cache."))
+    num_kv_blocks: int | None = field(default=None, metadata=_opt(
+        "Exact number of KV-cache pages; overrides --kv-cache-memory (testing, tuning)."))
+    enable_prefix_caching: bool = field(default=True, metadata=_opt(
+        "Reuse KV pages of identical prompt prefixes across requests."))
+    max_batch_size: int = field(default=64, metadata=_opt("Most sequences in one engine step."))
+    max_batch_input_tokens: int = field(default=2048, metadata=_opt(
+        "Token budget of one engine step (decode tokens + prefill chunks)."))
+    prefill_chunk_size: int | None = field(default=None, metadata=_opt(
+        "Longest prefill chunk of one sequence in one step; default: --max-batch-input-tokens."))
+    custom_architectures: list[str] = field(default_factory=list, metadata=_opt(
+        "Extra architectures: DIR:MODULE, FILE.py or a dotted module exposing ARCHITECTURES (repeatable).",
+        repeatable=True))
+    strict_plugins: bool = field(default=False, metadata=_opt("Fail if any plugin fails to load."))
+    num_threads: int | None = field(default=None, metadata=_opt("CPU threads for torch; default: torch's."))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.kv_cache_page_size <= 0:
+            raise ConfigError(f"--kv-cache-page-size must be positive, got {self.kv_cache_page_size}")
+        if self.max_batch_size <= 0:
+            raise ConfigError(f"--max-batch-size must be positive, got {self.max_batch_size}")
+        if self.max_batch_input_tokens <= 0:
+            raise ConfigError(f"--max-batch-input-tokens must be positive, got {self.max_batch_input_tokens}")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size <= 0:
+            raise ConfigError(f"--prefill-chunk-size must be positive, got {self.prefill_chunk_size}")
+        if not 0.0 < self.device_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"--device-memory-utilization must be in (0, 1], got {self.device_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+        parse_size(self.kv_cache_memory)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+
+    @property
+    def chunk_size(self) -> int:
+        return self.prefill_chunk_size or self.max_batch_input_tokens
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB' -> 2147483648. Accepts plain byte counts."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"cannot read size {text!r}: write e.g. 512MiB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+# -- derivation of flags / env / YAML ---------------------------------------------------------
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return "FW_" + name.upper()
+
+
+def _base_type(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (list,):
+        return list
+    if args:
+        return _base_type(args[0]) if len(args) == 1 else args[0]
+    return tp
+
+
+def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, _base_type(hints[f.name])) for f in dataclasses.fields(cls)]
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if tp is list:
+            if isinstance(value, (list, tuple)):
+                return [str(v) for v in value]
+            return [p.strip() for p in str(value).split(",") if p.strip()]
+        return tp(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag_name(name)}: cannot read {value!r} as {getattr(tp, '__name__', tp)}") from None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
+    """Add one flag per field. Defaults are left as None so that precedence can be resolved later."""
+    group = parser.add_argument_group("engine options (also FW_<NAME> env vars and --config YAML keys)")
+    for f, tp in _fields(cls):
+        meta = dict(f.metadata)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": meta.get("help", "")}
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif meta.get("repeatable"):
+            kwargs["action"] = "append"
+        else:
+            kwargs["type"] = str if tp is Any else tp
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
+        group.add_argument(flag_name(f.name), **kwargs)
+    if not any(a.dest == "config" for a in parser._actions):
+        parser.add_argument("--config", default=None, help="YAML file of options (keys: flag names); CLI wins.")
+
+
+def load_yaml_options(path: str | os.PathLike) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def resolve_config(
+    cli: dict[str, Any] | None = None,
+    config_file: str | None = None,
+    environ: dict[str, str] | None = None,
+    cls: type = EngineConfig,
+    **overrides: Any,
+):
+    """Build `cls` from defaults, YAML, environment and CLI values (CLI wins).
+
+    `cli` holds parsed argparse values (None meaning "not given"); `overrides`
+    are library keyword arguments, treated like CLI values."""
+    environ = os.environ if environ is None else environ
+    fields = {f.name: tp for f, tp in _fields(cls)}
+    values: dict[str, Any] = {}
+    config_file = config_file or environ.get("FW_CONFIG")
+    if config_file:
+        for key, value in load_yaml_options(config_file).items():
+            if key not in fields:
+                raise ConfigError(f"--config {config_file}: unknown option {key!r}; known: {', '.join(sorted(fields))}")
+            values[key] = _coerce(key, fields[key], value)
+    for name, tp in fields.items():
+        if env_name(name) in environ:
+            values[name] = _coerce(name, tp, environ[env_name(name)])
+    for source in (cli or {}, overrides):
+        for name, value in source.items():
+            if name not in fields:
+                if source is overrides:
+                    raise ConfigError(f"unknown engine option {name!r}; known: {', '.join(sorted(fields))}")
+                continue
+            if value is not None:
+                values[name] = _coerce(name, fields[name], value)
+    return cls(**values)

@@ -1,0 +1,263 @@
+"""The engine: requests in, one scheduled step at a time, outputs out.
+
+One engine serves the library, the CLI and the server. `step()` runs one
+forward pass over the scheduled batch, samples, detokenizes, applies stop
+rules and returns an output for every request that progressed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from fw.config import EngineConfig, parse_size
+from fw.engine.block_manager import BlockManager
+from fw.engine.detokenizer import IncrementalDetokenizer
+from fw.engine.model_runner import ModelRunner
+from fw.engine.outputs import CompletionOutput, RequestOutput
+from fw.engine.request import Request, Sequence
+from fw.engine.scheduler import Scheduler
+from fw.errors import InvalidRequestError, PromptTooLongError
+from fw.model_loader.loader import load_model
+from fw.plugins.manager import PluginManager, get_plugin_manager
+from fw.sampling.batch import SamplingBatch
+from fw.sampling.params import SamplingParams
+from fw.sampling.pipeline import SamplerPipeline, token_logprobs
+
+logger = logging.getLogger("fw.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.plugins = plugins or get_plugin_manager()
+        if config.strict_plugins:
+            self.plugins.strict = True
+            self.plugins.raise_if_strict()
+        if config.custom_architectures:
+            self.plugins.add_custom_architectures(config.custom_architectures)
+        loaded = self.loaded = load_model(config, self.plugins)
+        self.tokenizer = loaded.tokenizer
+        self.max_length = loaded.max_length
+        self.vocab_size = loaded.hf_config.vocab_size
+        page = config.kv_cache_page_size
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(page)
+        self.blocks = BlockManager(num_blocks, page, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_batch_input_tokens, config.chunk_size)
+        self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, page,
+                                  loaded.dtype, loaded.device)
+        self.sampler = SamplerPipeline(self.plugins.registry("sampler"), config.sampling_backend)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_blocks, page, num_blocks * page)
+
+    def _num_blocks_from_budget(self, page: int) -> int:
+        per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, page, self.loaded.dtype)
+        device = self.loaded.device
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = free - total * (1.0 - self.config.device_memory_utilization)
+        else:
+            budget = parse_size(self.config.kv_cache_memory)
+        return max(1, int(budget // per_block))
+
+    # -- requests ------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def add_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        delta: bool = False,
+    ) -> Request:
+        params = params or SamplingParams()
+        request_id = request_id or self.new_request_id()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("give a prompt or prompt_token_ids", param="prompt")
+            prompt_token_ids = self.tokenize(prompt)
+        ids = [int(t) for t in prompt_token_ids]
+        self._validate_prompt(ids, params)
+        if params.max_tokens is None:
+            params.max_tokens = self.max_length - len(ids)
+        req = Request(request_id, prompt, ids, params, delta=delta)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.loaded.device).manual_seed(params.seed + i)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                           params.include_stop_str_in_output)
+            seq = Sequence(req, i, params, list(ids), len(ids), detok, generator)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return req
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt")
+        n, limit = len(ids), self.max_length
+        if n >= limit:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens, but this engine serves at most {limit} tokens per sequence "
+                f"(prompt + output); shorten the prompt", param="prompt")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds the "
+                f"maximum length {limit}; lower max_tokens to at most {limit - n}", param="max_tokens")
+        total = n + (params.max_tokens if params.max_tokens is not None else limit - n)
+        capacity = self.blocks.num_blocks * self.blocks.page_size
+        if total > capacity:
+            raise PromptTooLongError(
+                f"the request needs up to {total} tokens of KV cache but the whole cache holds {capacity}; "
+                f"lower max_tokens or start the engine with a larger --kv-cache-memory", param="max_tokens")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; returns its final output (finish_reason "abort")."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.blocks.commit_full_blocks(seq)
+        for seq, first, logits in result.prompt_logits:
+            self._add_prompt_logprobs(seq, first, logits)
+        touched: dict[str, Request] = {}
+        if result.sample_seqs:
+            sampling = SamplingBatch(result.sample_seqs, self.vocab_size, self.loaded.device,
+                                     self.loaded.eos_token_ids)
+            sampled = self.sampler.sample(result.sample_logits, sampling)
+            now = time.monotonic()
+            for seq, token, lp in zip(result.sample_seqs, sampled.token_ids, sampled.logprobs):
+                req = seq.request
+                touched[req.request_id] = req
+                if seq.params.max_tokens == 0:  # prompt-only request (e.g. echo + prompt logprobs)
+                    self._finish(seq, "length")
+                    continue
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                self._append(seq, token, lp)
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._output(req))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _add_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        req = seq.request
+        logprobs = torch.log_softmax(logits, dim=-1)
+        top = seq.params.prompt_logprobs
+        for r in range(logprobs.shape[0]):
+            req.prompt_logprobs.append(token_logprobs(logprobs[r], seq.token_ids[first + r], top))
+        if first + logprobs.shape[0] >= seq.num_prompt_tokens:
+            req.prompt_logprobs_done = True
+            self._decode_logprob_tokens(req.prompt_logprobs)
+
+    def _append(self, seq: Sequence, token: int, logprobs) -> None:
+        p = seq.params
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            self._decode_logprob_tokens([logprobs])
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
+        stop_str = seq.detokenizer.add_token(token)
+        n_out = seq.num_output_tokens
+        if n_out < p.min_tokens:
+            stop_str = None
+        elif token in self.loaded.eos_token_ids and not p.ignore_eos:
+            return self._finish(seq, "stop")
+        elif token in p.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        if stop_str is not None:
+            return self._finish(seq, "stop", stop_str)
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_length:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _decode_logprob_tokens(self, entries) -> None:
+        for entry in entries:
+            if entry is None:
+                continue
+            for token_id, lp in entry.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.decode([token_id])
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            text = seq.detokenizer.visible_text(seq.finished)
+            ids = seq.output_token_ids
+            logprobs = seq.logprobs
+            if req.delta:
+                text, ids = text[seq.sent_text_len:], ids[seq.sent_token_len:]
+                logprobs = logprobs[seq.sent_token_len:] if logprobs is not None else None
+                seq.sent_text_len += len(text)
+                seq.sent_token_len += len(ids)
+            outs.append(CompletionOutput(
+                seq.index, text, list(ids), logprobs,
+                seq.cumulative_logprob if seq.logprobs is not None else None,
+                seq.finish_reason, seq.stop_reason,
+            ))
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+            req.prompt_logprobs, max(s.num_cached_tokens for s in req.seqs), metrics,
+        )
+
+    # -- statistics ----------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.blocks.usage,
+            "num_kv_blocks": self.blocks.num_blocks,
+            "prefix_cache_queried_tokens": self.blocks.stats.queried_tokens,
+            "prefix_cache_hit_tokens": self.blocks.stats.hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

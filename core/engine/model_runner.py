@@ -1,0 +1,98 @@
+"""Turns a scheduled batch into flat model inputs and attention metadata, runs
+the forward pass, and returns the logits the sampler and prompt logprobs need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fw.engine.request import Sequence
+from fw.layers.attention import Attention, AttentionMetadata
+
+
+@dataclass
+class StepLogits:
+    sample_seqs: list[Sequence]  # sequences whose step ends at their last token
+    sample_logits: torch.Tensor | None  # [len(sample_seqs), V] float32
+    # (sequence, first prompt position predicted, logits [k, V]) for prompt logprobs
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, attention_backend: type, num_blocks: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.backend = attention_backend
+        self.page_size = page_size
+        self.device = device
+        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.kv_caches = []
+        for layer in self.layers:
+            shape = attention_backend.kv_cache_shape(num_blocks, page_size, layer.num_kv_heads, layer.head_dim)
+            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+            self.kv_caches.append(layer.kv_cache)
+
+    @staticmethod
+    def kv_bytes_per_block(model: nn.Module, page_size: int, dtype: torch.dtype) -> int:
+        size = torch.tensor([], dtype=dtype).element_size()
+        return sum(2 * page_size * m.num_kv_heads * m.head_dim * size
+                   for m in model.modules() if isinstance(m, Attention))
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], num_new: list[int]) -> StepLogits:
+        # Decodes first: backends handle the one-token group together.
+        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)
+        seqs = [seqs[i] for i in order]
+        num_new = [num_new[i] for i in order]
+        p = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        for seq, n in zip(seqs, num_new):
+            c = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[c:c + n])
+            positions.extend(range(c, c + n))
+            table = seq.block_table
+            slots.extend(table[pos // p] * p + pos % p for pos in range(c, c + n))
+            seq_lens.append(c + n)
+            starts.append(starts[-1] + n)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=sum(1 for n in num_new if n == 1),
+            query_lens=num_new,
+            seq_lens=seq_lens,
+            query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            page_size=p,
+        )
+        meta.backend_state = self.backend.prepare(meta)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        hidden = self.model(ids, pos, meta)
+
+        sample_seqs, sample_rows, prompt_logits = [], [], []
+        for seq, n, start in zip(seqs, num_new, starts):
+            c = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None and not seq.request.prompt_logprobs_done and seq.index == 0:
+                # Position j's logits predict token j + 1; keep those whose target is a prompt token.
+                last = min(c + n, seq.num_prompt_tokens - 1)
+                if last > c:
+                    rows = hidden[start:start + (last - c)]
+                    prompt_logits.append((seq, c + 1, self.model.compute_logits(rows).float()))
+            if c + n == seq.num_tokens:
+                sample_seqs.append(seq)
+                sample_rows.append(start + n - 1)
+        logits = None
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)]).float()
+        return StepLogits(sample_seqs, logits, prompt_logits)

@@ -1,0 +1,108 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every sequence has `num_computed_tokens` of `num_tokens`; a step gives it up to
+`prefill_chunk_size` more within the step's token budget, so decode (one
+token), chunked prefill and recompute after preemption are the same rule.
+Running sequences are served first, oldest first; when pages run out the
+newest running sequence is preempted (pages freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fw.engine.block_manager import BlockManager
+from fw.engine.request import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_batch_tokens: int, chunk_size: int):
+        self.blocks = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.chunk_size = chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batch_tokens
+        running = list(self.running)
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, self.chunk_size, budget)
+            while not self.blocks.allocate(seq, n):
+                victim = running.pop()  # newest first
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.blocks.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, self.chunk_size, budget)
+            if not self.blocks.allocate(seq, n):
+                if not self.running and not batch.seqs:
+                    # Nothing else holds pages: this sequence can never fit.
+                    raise RuntimeError(
+                        f"the KV cache ({self.blocks.num_blocks} pages of {self.blocks.page_size} tokens) "
+                        f"cannot hold one sequence of {seq.num_tokens} tokens; raise --kv-cache-memory"
+                    )
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        if seq in batch.seqs:
+            k = batch.seqs.index(seq)
+            del batch.seqs[k], batch.num_new_tokens[k]
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its pages at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = SeqStatus.FINISHED

@@ -1,0 +1,27 @@
+"""Shared layers that architecture plugins build models from.
+
+Linear layers delegate to a quantization method, attention layers to the
+selected attention backend; norms and rotary embeddings follow Hugging Face
+numerics so parity tests hold.
+"""
+
+from fw.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from fw.layers.context import ModelContext
+from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod
+from fw.layers.norm import RMSNorm
+from fw.layers.rotary import RotaryEmbedding
+from fw.layers.weights import default_weight_loader, load_named_weights
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "ModelContext",
+    "Linear",
+    "LinearMethod",
+    "UnquantizedLinearMethod",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "default_weight_loader",
+    "load_named_weights",
+]

@@ -1,0 +1,91 @@
+"""Linear layers that delegate parameter creation, loading and matmul to a
+`LinearMethod` (the quantization-method contract; unquantized is the default).
+
+A `Linear` may fuse several output shards (q/k/v, gate/up): `output_sizes`
+lists them, and the checkpoint's separate tensors load into their slices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod:
+    """How a linear layer stores and applies its weight. Quantization plugins subclass this."""
+
+    def create_weights(self, layer: "Linear") -> None:
+        raise NotImplementedError
+
+    def load_weight(self, layer: "Linear", param_name: str, tensor: torch.Tensor, shard: int | None) -> None:
+        """Copy a checkpoint tensor into the layer; `shard` indexes `layer.output_sizes` for fused layers."""
+        param = getattr(layer, param_name)
+        if shard is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"{layer.prefix}.{param_name}: checkpoint shape {tuple(tensor.shape)} "
+                                 f"!= expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            return
+        start = sum(layer.output_sizes[:shard])
+        size = layer.output_sizes[shard]
+        target = param.data.narrow(0, start, size)
+        if target.shape != tensor.shape:
+            raise ValueError(f"{layer.prefix}.{param_name}[shard {shard}]: checkpoint shape "
+                             f"{tuple(tensor.shape)} != expected {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        """Repack after all shards are loaded (e.g. into a kernel's layout)."""
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight_bytes(self, layer: "Linear") -> int:
+        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Dense weights in the model dtype: the reference every quantizer is compared with."""
+
+    def create_weights(self, layer: "Linear") -> None:
+        layer.weight = nn.Parameter(
+            torch.empty(sum(layer.output_sizes), layer.input_size, dtype=layer.params_dtype), requires_grad=False
+        )
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, with W owned by a `LinearMethod`."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: int | list[int],
+        ctx,
+        prefix: str,
+        bias: bool = False,
+    ):
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.output_size = sum(self.output_sizes)
+        self.prefix = prefix
+        self.params_dtype = ctx.dtype
+        self.method = ctx.linear_method_for(prefix)
+        self.method.create_weights(self)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size, dtype=ctx.dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if param_name == "bias":
+            LinearMethod.load_weight(self.method, self, "bias", tensor.to(self.params_dtype), shard)
+        else:
+            self.method.load_weight(self, param_name, tensor, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)

@@ -1,0 +1,110 @@
+"""`LLM`: the library front, in the shape vLLM users know.
+
+    from fw import LLM, SamplingParams
+    llm = LLM(model="path/or/hub-id", dtype="float32", max_batch_size=32)
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0))
+    print(outs[0].outputs[0].text)
+
+Keyword options are the engine flags' names (`kv_cache_page_size=16`, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+from fw.config import resolve_config
+from fw.engine.engine import LLMEngine
+from fw.engine.outputs import RequestOutput
+from fw.plugins.manager import PluginManager
+from fw.sampling.params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, plugins: PluginManager | None = None, **options: Any):
+        # The library takes options as arguments only; FW_* variables are for the CLI and server.
+        self.config = resolve_config(environ={}, model=model, **options)
+        self.engine = LLMEngine(self.config, plugins)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts together (continuously batched); outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> dict[str, Any]:
+        from fw.chat import render_chat
+
+        return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield one request's outputs as they grow; each carries only the new text and tokens.
+
+        Closing the generator early aborts the request and frees its KV pages."""
+        request_id = self._add(prompt, sampling_params or SamplingParams(), delta=True)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        done = out.finished
+                        if out.outputs[0].text or out.outputs[0].token_ids or done:
+                            yield out
+        finally:
+            if not done:
+                self.engine.abort_request(request_id)
+
+    def _add(self, prompt: Prompt, params: SamplingParams, delta: bool = False) -> str:
+        if isinstance(prompt, str):
+            return self.engine.add_request(prompt=prompt, params=params, delta=delta).request_id
+        if isinstance(prompt, dict):
+            return self.engine.add_request(prompt=prompt.get("prompt"), prompt_token_ids=prompt.get("prompt_token_ids"),
+                                           params=params, delta=delta).request_id
+        return self.engine.add_request(prompt_token_ids=list(prompt), params=params, delta=delta).request_id
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        pending = set(request_ids)
+        final: dict[str, RequestOutput] = {}
+        while pending:
+            outputs = self.engine.step()
+            if not outputs and not self.engine.scheduler.has_work():
+                raise RuntimeError("engine has no work but requests are unfinished")  # a bug, never expected
+            for out in outputs:
+                if out.finished and out.request_id in pending:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [final[i] for i in request_ids]

@@ -1,0 +1,155 @@
+"""GGUF files: config from metadata, tokenizer via transformers (converted once,
+then cached), and weights dequantized with the `gguf` library.
+
+Tensor names follow llama.cpp's conventions and are mapped to Hugging Face
+names here; architecture plugins may transform tensors further (Llama undoes
+llama.cpp's Q/K row permutation) through `ArchitectureSpec.gguf_weight_transform`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from functools import cached_property
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from fw.errors import ModelLoadError
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    m = _BLOCK.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem not in _GLOBAL_NAMES:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+    return f"{_GLOBAL_NAMES[stem]}.{kind}"
+
+
+class GGUFModel:
+    """One .gguf file, read lazily."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @cached_property
+    def reader(self):
+        from gguf import GGUFReader
+
+        try:
+            return GGUFReader(str(self.path))
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path} is not a readable GGUF file: {exc}") from None
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    @property
+    def architecture(self) -> str:
+        arch = self.field("general.architecture")
+        if not arch:
+            raise ModelLoadError(f"{self.path}: GGUF metadata has no general.architecture")
+        return arch
+
+    def hf_config(self, hf_architecture: str):
+        """A transformers config built from the metadata (only the keys it needs: fast)."""
+        from transformers import AutoConfig
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        arch = self.architecture
+        mapping = GGUF_CONFIG_MAPPING.get(arch)
+        if mapping is None:
+            raise ModelLoadError(f"{self.path}: GGUF architecture {arch!r} has no config mapping in transformers")
+        kwargs = {}
+        for key, hf_key in mapping.items():
+            value = self.field(f"{arch}.{key}")
+            if value is not None and hf_key is not None:
+                kwargs[hf_key] = value
+        if "vocab_size" not in kwargs:
+            kwargs["vocab_size"] = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                            ("padding_token_id", "pad_token_id")):
+            value = self.field(f"tokenizer.ggml.{key}")
+            if value is not None:
+                kwargs[hf_key] = int(value)
+        kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in self.reader.tensors)
+        kwargs["architectures"] = [hf_architecture]
+        model_type = {"mistral": "mistral"}.get(arch, arch)
+        try:
+            return AutoConfig.for_model(model_type, **kwargs)
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path}: could not build a config for GGUF architecture {arch!r}: {exc}") from None
+
+    def tokenizer(self):
+        """transformers' GGUF tokenizer conversion takes seconds; do it once per file and cache it."""
+        from transformers import AutoTokenizer
+
+        cached = _tokenizer_cache_dir(self.path)
+        if not (cached / "tokenizer.json").is_file():
+            try:
+                tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+            except Exception as exc:
+                raise ModelLoadError(f"{self.path}: its tokenizer could not be read: {exc}") from None
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+            tok.save_pretrained(str(tmp))
+            try:
+                os.replace(tmp, cached)  # atomic: concurrent first loads cannot see half a cache
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return AutoTokenizer.from_pretrained(str(cached))
+
+    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) pairs, dequantized to `dtype`."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        for t in self.reader.tensors:
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+            try:
+                if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                    array = np.array(t.data)  # a copy: the memory map is read-only
+                else:
+                    array = dequantize(t.data, t.tensor_type)
+            except Exception as exc:
+                raise ModelLoadError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) "
+                                     f"could not be dequantized: {exc}") from None
+            tensor = torch.from_numpy(np.ascontiguousarray(array).reshape(shape)).to(dtype)
+            yield hf_tensor_name(t.name), tensor
+
+
+def fw_cache_dir() -> Path:
+    return Path(os.environ.get("FW_CACHE_DIR") or Path.home() / ".cache" / "fw")
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    return fw_cache_dir() / "gguf-tokenizers" / key

@@ -1,0 +1,176 @@
+"""From an `EngineConfig` to a ready model: resolve files, pick the architecture,
+attention backend and quantization method through the registries, build the
+model and load its weights."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fw.config import EngineConfig
+from fw.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError, UnsupportedConfigurationError
+from fw.layers.context import ModelContext
+from fw.model_loader.gguf_file import GGUFModel
+from fw.model_loader.hf import iter_safetensors, load_hf_config, load_tokenizer
+from fw.model_loader.source import ModelSource, resolve_model
+from fw.plugins.manager import PluginManager
+from fw.plugins.selection import Selection, select_attention_backend
+from fw.plugins.specs import ArchitectureSpec, AttentionRequirements
+
+logger = logging.getLogger("fw.loader")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: Any
+    tokenizer: Any
+    source: ModelSource
+    architecture: ArchitectureSpec
+    attention: Selection
+    quantization: str | None
+    dtype: torch.dtype
+    device: torch.device
+    max_length: int
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA device is available here; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, hf_config, source: ModelSource, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if source.kind == "gguf":
+        return torch.float32
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype, torch.float32)
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.bfloat16  # fp16 matmuls are slow on CPU
+    return dtype
+
+
+def find_architecture(plugins: PluginManager, hf_names: list[str], gguf_arch: str | None = None) -> ArchitectureSpec:
+    registry = plugins.registry("architecture")
+    for spec in registry:
+        if gguf_arch is not None and gguf_arch in spec.gguf_architectures:
+            return spec
+        if any(n in spec.hf_architectures for n in hf_names):
+            return spec
+    known = sorted({a for s in registry for a in (*s.hf_architectures, *s.gguf_architectures)})
+    wanted = gguf_arch or ", ".join(hf_names) or "(config.json lists no architectures)"
+    raise UnsupportedArchitectureError(
+        f"no architecture plugin handles {wanted}. Supported: {', '.join(known) or 'none'}. "
+        f"Install a plugin that adds it, or pass --custom-architectures."
+    )
+
+
+def eos_ids(hf_config, tokenizer, source: ModelSource) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if source.kind == "directory" and (source.path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        try:
+            gen = GenerationConfig.from_pretrained(str(source.path))
+            value = gen.eos_token_id
+            ids.update([value] if isinstance(value, int) else list(value or []))
+        except Exception as exc:  # a broken generation_config must not block serving
+            logger.warning("ignoring %s/generation_config.json: %s", source.path, exc)
+    return frozenset(ids)
+
+
+def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
+    source = resolve_model(cfg.model, cfg.revision)
+    device = resolve_device(cfg.device)
+    if source.kind == "gguf":
+        gguf = GGUFModel(source.path)
+        arch = find_architecture(plugins, [], gguf.architecture)
+        hf_config = gguf.hf_config(arch.hf_architectures[0])
+        tokenizer = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else gguf.tokenizer()
+    else:
+        hf_config = load_hf_config(source.path, cfg.trust_remote_code, cfg.revision)
+        arch = find_architecture(plugins, list(getattr(hf_config, "architectures", None) or []))
+        tokenizer = load_tokenizer(cfg.tokenizer or source.path, cfg.trust_remote_code)
+    dtype = resolve_dtype(cfg.dtype, hf_config, source, device)
+
+    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
+    max_length = cfg.max_length or model_max
+    if max_length > model_max:
+        raise ConfigError(f"--max-length {max_length} exceeds the model's context length {model_max}")
+
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    req = AttentionRequirements(
+        device=device.type, dtype=str(dtype).removeprefix("torch."), head_size=head_dim,
+        page_size=cfg.kv_cache_page_size,
+        sliding_window=getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None,
+        logit_softcap=getattr(hf_config, "attn_logit_softcapping", None),
+    )
+    name = None if cfg.attention_backend == "auto" else cfg.attention_backend
+    attention = select_attention_backend(plugins.registry("attention_backend"), req, name)
+
+    quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins)
+    ctx = ModelContext(dtype=dtype, device=device, attention_backend=attention.chosen.backend_cls,
+                       linear_method=linear_method)
+    with torch.device("cpu"):
+        model = arch.build(hf_config, ctx, max_length)
+    weights = (
+        GGUFModel(source.path).iter_weights(dtype) if source.kind == "gguf" else iter_safetensors(source.path)
+    )
+    if source.kind == "gguf" and arch.gguf_weight_transform is not None:
+        weights = ((n, arch.gguf_weight_transform(n, t, hf_config)) for n, t in weights)
+    try:
+        loaded = model.load_weights(weights)
+    except ModelLoadError:
+        raise
+    except (ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"{source.path}: weights do not fit the {arch.name} architecture: {exc}") from None
+    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+    if missing:
+        raise ModelLoadError(f"{source.path}: checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
+    model.to(device).eval()
+    logger.info("loaded %s (%s, %s) with attention backend %s", source.name, arch.name, dtype, attention.chosen.name)
+    return LoadedModel(model, hf_config, tokenizer, source, arch, attention, quant_name, dtype, device, max_length,
+                       eos_ids(hf_config, tokenizer, source))
+
+
+def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins: PluginManager):
+    registry = plugins.registry("quantization_method")
+    qcfg = getattr(hf_config, "quantization_config", None)
+    if qcfg is not None and not isinstance(qcfg, dict):
+        qcfg = qcfg.to_dict()
+    name = cfg.quantization
+    if name is None and qcfg:
+        matches = [s for s in registry if s.detects is not None and s.detects(qcfg)]
+        if not matches:
+            raise UnsupportedConfigurationError(
+                f"the checkpoint is quantized ({qcfg.get('quant_method', 'unknown method')}) but no installed "
+                f"quantization plugin reads that format; installed: {', '.join(registry.names()) or 'none'}"
+            )
+        name = matches[0].name
+    if name is None:
+        return None, None
+    spec = registry.get(name)
+    if arch.supported_quantization and name not in arch.supported_quantization:
+        raise UnsupportedConfigurationError(
+            f"architecture {arch.name} does not support quantization {name!r}; it supports "
+            f"{', '.join(arch.supported_quantization)}"
+        )
+    return name, spec.factory(qcfg or {})

@@ -1,0 +1,57 @@
+"""Resolve `--model` to files on disk: a directory, a `.gguf` file, or a hub id
+through huggingface_hub's cache (offline works once cached)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fw.errors import ModelLoadError
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "directory" | "gguf"
+    path: Path  # the directory, or the .gguf file
+    name: str  # what the user called it (served model name by default)
+    revision: str | None = None
+
+
+def resolve_model(model: str, revision: str | None = None) -> ModelSource:
+    if not model:
+        raise ModelLoadError("no model given: pass --model DIR, a .gguf file, or a Hugging Face hub id")
+    path = Path(os.path.expanduser(model))
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: a model file must be a .gguf file; for safetensors pass the directory")
+        return ModelSource("gguf", path.resolve(), model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: the directory has no config.json; is it a Hugging Face model directory?")
+        return ModelSource("directory", path.resolve(), model)
+    if model.endswith(".gguf") or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"{model}: no such file or directory")
+    return ModelSource("directory", _download(model, revision), model, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    """The snapshot from the local HF cache if present, else from the hub."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    except Exception as exc:  # bad repo id syntax and the like
+        raise ModelLoadError(f"{repo_id}: not a model directory, .gguf file or hub id ({exc})") from None
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"{repo_id}: not found locally and could not be downloaded ({type(exc).__name__}: {exc}). "
+            f"Check the id and --revision, or download it first with `fw warm-cache --model {repo_id}`."
+        ) from None

@@ -1,0 +1,54 @@
+"""The hook specs: the whole contract between the core and plugins.
+
+Every registration hook receives a `register` callback; call it once per
+implementation: ``register(spec)`` or ``register(spec, override=True)`` to
+replace an implementation of the same name from another plugin (logged and
+shown by ``fw plugins list``). Registering through a callback, rather than
+returning values, lets the core attribute every implementation to the plugin
+that registered it.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "fw"
+ENTRY_POINT_GROUP = "fw"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def fw_register_architectures(register) -> None:
+    """Register `ArchitectureSpec`s (model families keyed by HF architecture names)."""
+
+
+@hookspec
+def fw_register_attention_backends(register) -> None:
+    """Register `AttentionBackendSpec`s."""
+
+
+@hookspec
+def fw_register_quantization_methods(register) -> None:
+    """Register `QuantizationMethodSpec`s."""
+
+
+@hookspec
+def fw_register_samplers(register) -> None:
+    """Register `SamplerSpec`s: logits stages or final token choosers."""
+
+
+@hookspec
+def fw_register_grammar_backends(register) -> None:
+    """Register `GrammarBackendSpec`s."""
+
+
+@hookspec
+def fw_register_cli_commands(register) -> None:
+    """Register `CliCommandSpec`s: new `fw <name>` subcommands."""
+
+
+@hookspec
+def fw_add_cli_arguments(command: str, parser) -> None:
+    """Add options to an existing subcommand's argparse parser (`command` is its name)."""

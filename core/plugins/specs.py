@@ -1,0 +1,187 @@
+"""Descriptions of implementations, one dataclass per plugin kind.
+
+Specs are plain data plus a factory, so listing plugins never builds anything
+heavy. Each spec says what it supports; `rejection_reasons` turns a request
+into the list of reasons it cannot serve it (empty: it can).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+KINDS = ("architecture", "attention_backend", "quantization_method", "sampler", "grammar_backend", "cli_command")
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """A model family. `build(hf_config, ctx)` returns an `nn.Module` with
+    ``forward(input_ids, positions, attn_meta) -> hidden``, ``compute_logits(hidden)``
+    and ``load_weights(iterable of (name, tensor))``."""
+
+    name: str
+    hf_architectures: tuple[str, ...]
+    build: Callable[..., Any]
+    gguf_architectures: tuple[str, ...] = ()
+    supported_quantization: tuple[str, ...] = ()
+    # (hf_name, tensor, hf_config) -> tensor, for GGUF files whose layout differs from HF's
+    gguf_weight_transform: Callable[[str, Any, Any], Any] | None = None
+    description: str = ""
+    kind = "architecture"
+
+    def summary(self) -> dict:
+        return {
+            "hf_architectures": list(self.hf_architectures),
+            "gguf_architectures": list(self.gguf_architectures),
+            "supported_quantization": list(self.supported_quantization),
+        }
+
+
+@dataclass(frozen=True)
+class AttentionRequirements:
+    """What the model and engine need from an attention backend."""
+
+    device: str
+    dtype: str
+    head_size: int
+    page_size: int
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class AttentionBackendSpec:
+    """An attention backend. `backend_cls` implements `fw.layers.attention.AttentionBackend`.
+
+    `available` is called at selection time and returns None, or the reason the
+    backend cannot run in this process (a missing package, no GPU, ...)."""
+
+    name: str
+    backend_cls: Callable[..., Any]
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    head_sizes: tuple[int, ...] | None = None
+    page_sizes: tuple[int, ...] | None = None
+    supports_sliding_window: bool = False
+    supports_logit_softcap: bool = False
+    priority: int = 0
+    available: Callable[[], str | None] | None = None
+    description: str = ""
+    kind = "attention_backend"
+
+    def rejection_reasons(self, req: AttentionRequirements) -> list[str]:
+        reasons = []
+        if req.device not in self.devices:
+            reasons.append(f"device {req.device!r} not supported (supports {', '.join(self.devices)})")
+        if req.dtype not in self.dtypes:
+            reasons.append(f"dtype {req.dtype} not supported (supports {', '.join(self.dtypes)})")
+        if self.head_sizes is not None and req.head_size not in self.head_sizes:
+            reasons.append(f"head size {req.head_size} not supported (supports {list(self.head_sizes)})")
+        if self.page_sizes is not None and req.page_size not in self.page_sizes:
+            reasons.append(f"KV page size {req.page_size} not supported (supports {list(self.page_sizes)})")
+        if req.sliding_window and not self.supports_sliding_window:
+            reasons.append("sliding-window attention not supported")
+        if req.logit_softcap and not self.supports_logit_softcap:
+            reasons.append("attention logit soft-capping not supported")
+        if self.available is not None:
+            why = self.available()
+            if why:
+                reasons.append(why)
+        return reasons
+
+    def summary(self) -> dict:
+        return {
+            "devices": list(self.devices),
+            "dtypes": list(self.dtypes),
+            "head_sizes": None if self.head_sizes is None else list(self.head_sizes),
+            "page_sizes": None if self.page_sizes is None else list(self.page_sizes),
+            "sliding_window": self.supports_sliding_window,
+            "logit_softcap": self.supports_logit_softcap,
+            "priority": self.priority,
+        }
+
+
+@dataclass(frozen=True)
+class QuantizationMethodSpec:
+    """A quantization method. `factory(quant_config: dict)` returns an object with
+    the `fw.layers.linear.LinearMethod` interface. `detects(quant_config)` says
+    whether a checkpoint's `quantization_config` is in this method's format."""
+
+    name: str
+    factory: Callable[[dict], Any]
+    detects: Callable[[dict], bool] | None = None
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    available: Callable[[], str | None] | None = None
+    description: str = ""
+    kind = "quantization_method"
+
+    def summary(self) -> dict:
+        return {"devices": list(self.devices)}
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """A sampler. kind="stage": `factory()` returns an object with
+    ``is_active(params) -> bool`` and ``apply(logits, batch) -> logits``, run in
+    ascending `order` for rows whose params activate it. kind="choice": the
+    object has ``choose(logits, batch) -> token ids``; `--sampling-backend` picks one."""
+
+    name: str
+    factory: Callable[[], Any]
+    role: Literal["stage", "choice"] = "stage"
+    order: int = 100
+    description: str = ""
+    kind = "sampler"
+
+    def summary(self) -> dict:
+        return {"role": self.role, "order": self.order}
+
+
+@dataclass(frozen=True)
+class GrammarBackendSpec:
+    """A structured-output backend. `factory(tokenizer)` returns a compiler of
+    constraints (JSON schema, regex, choice, grammar) into token matchers."""
+
+    name: str
+    factory: Callable[[Any], Any]
+    constraint_kinds: tuple[str, ...] = ("json_schema", "regex", "choice")
+    priority: int = 0
+    available: Callable[[], str | None] | None = None
+    description: str = ""
+    kind = "grammar_backend"
+
+    def summary(self) -> dict:
+        return {"constraint_kinds": list(self.constraint_kinds), "priority": self.priority}
+
+
+@dataclass(frozen=True)
+class CliCommandSpec:
+    """A `fw <name>` subcommand: `configure(parser)` adds arguments, `run(args) -> exit code`."""
+
+    name: str
+    help: str
+    configure: Callable[[Any], None]
+    run: Callable[[Any], int]
+    kind = "cli_command"
+
+    def summary(self) -> dict:
+        return {"help": self.help}
+
+
+Spec = ArchitectureSpec | AttentionBackendSpec | QuantizationMethodSpec | SamplerSpec | GrammarBackendSpec | CliCommandSpec
+
+
+def names(specs: Sequence[Any]) -> list[str]:
+    return sorted(s.name for s in specs)
+
+
+__all__ = [
+    "KINDS",
+    "ArchitectureSpec",
+    "AttentionBackendSpec",
+    "AttentionRequirements",
+    "QuantizationMethodSpec",
+    "SamplerSpec",
+    "GrammarBackendSpec",
+    "CliCommandSpec",
+]

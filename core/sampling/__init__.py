@@ -1,0 +1,1 @@
+"""Sampling parameters and the pipeline that runs sampler plugins over a batch."""

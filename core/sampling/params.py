@@ -1,0 +1,90 @@
+"""`SamplingParams`: what a request asks of the sampler, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fw.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, named as in vLLM and the OpenAI API.
+
+    temperature 0 means greedy. `seed` makes a request reproducible whatever
+    else shares its batch. `logprobs=N` returns, per generated token, the
+    chosen token's log-probability plus the top N alternatives; `prompt_logprobs`
+    does the same for prompt tokens. `extra_args` carries options for
+    third-party sampler plugins.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0  # -1 and None mean "off", as in vLLM
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {why}", param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise bad("max_tokens", f"must be at least 0, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be at least 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", f"must be between 0 and 100, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"must be between -2 and 2, got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"must be between -2 and 2, got {self.presence_penalty}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise bad(name, f"must be between 0 and 20, got {value}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                if not -100.0 <= float(bias) <= 100.0:
+                    raise bad("logit_bias", f"value for token {token} must be between -100 and 100, got {bias}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
