@@ -65,7 +65,10 @@ def resolve_dtype(name: str, hf_config, source: ModelSource, device: torch.devic
 
 def find_architecture(plugins: PluginManager, hf_names: list[str], gguf_arch: str | None = None) -> ArchitectureSpec:
     registry = plugins.registry("architecture")
-    for spec in registry:
+    # --custom-architectures are an explicit choice: they win over plugins claiming the
+    # same HF name under another spec name (stable sort keeps plugin order otherwise).
+    custom = set(plugins.custom_architectures)
+    for spec in sorted(registry, key=lambda s: s.name not in custom):
         if gguf_arch is not None and gguf_arch in spec.gguf_architectures:
             return spec
         if any(n in spec.hf_architectures for n in hf_names):
@@ -100,8 +103,8 @@ def eos_ids(hf_config, tokenizer, source: ModelSource) -> frozenset[int]:
 def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     source = resolve_model(cfg.model, cfg.revision)
     device = resolve_device(cfg.device)
-    if source.kind == "gguf":
-        gguf = GGUFModel(source.path)
+    gguf = GGUFModel(source.path) if source.kind == "gguf" else None
+    if gguf is not None:
         arch = find_architecture(plugins, [], gguf.architecture)
         hf_config = gguf.hf_config(arch.hf_architectures[0])
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else gguf.tokenizer()
@@ -131,10 +134,8 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
                        linear_method=linear_method)
     with torch.device("cpu"):
         model = arch.build(hf_config, ctx, max_length)
-    weights = (
-        GGUFModel(source.path).iter_weights(dtype) if source.kind == "gguf" else iter_safetensors(source.path)
-    )
-    if source.kind == "gguf" and arch.gguf_weight_transform is not None:
+    weights = gguf.iter_weights(dtype) if gguf is not None else iter_safetensors(source.path)
+    if gguf is not None and arch.gguf_weight_transform is not None:
         weights = ((n, arch.gguf_weight_transform(n, t, hf_config)) for n, t in weights)
     try:
         loaded = model.load_weights(weights)
