@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fw.layers import Attention, Linear, ModelContext, RMSNorm, RotaryEmbedding, load_named_weights
+from fw.layers import Attention, Linear, ModelContext, RMSNorm, RotaryEmbedding, apply_rotary, load_named_weights
 from fw.plugins import ArchitectureSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, prefix: str, rotary: RotaryEmbedding):
+    def __init__(self, cfg, ctx: ModelContext, prefix: str):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -29,12 +29,11 @@ class LlamaAttention(nn.Module):
         bias = getattr(cfg, "attention_bias", False)
         self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], ctx, f"{prefix}.qkv_proj", bias=bias)
         self.o_proj = Linear(q, cfg.hidden_size, ctx, f"{prefix}.o_proj", bias=bias)
-        self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ctx)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, meta) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q, k, self.head_dim)
+        q, k = apply_rotary(q, k, cos_sin, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -55,20 +54,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, prefix: str, rotary: RotaryEmbedding):
+    def __init__(self, cfg, ctx: ModelContext, prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.self_attn = LlamaAttention(cfg, ctx, f"{prefix}.self_attn", rotary)
+        self.self_attn = LlamaAttention(cfg, ctx, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.mlp = LlamaMLP(cfg, ctx, f"{prefix}.mlp")
 
-    def forward(self, x, residual, positions, meta):
+    def forward(self, x, residual, cos_sin, meta):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, meta)
+        x = self.self_attn(x, cos_sin, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -79,16 +78,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
         self.embed_tokens.weight.requires_grad_(False)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rotary = RotaryEmbedding(cfg, head_dim, max_positions, ctx.dtype)
+        self.rotary = RotaryEmbedding(cfg, head_dim, max_positions, ctx.dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, ctx, f"model.layers.{i}", rotary) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, ctx, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary(positions)
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, meta)
+            x, residual = layer(x, residual, cos_sin, meta)
         x, _ = self.norm(x, residual)
         return x
 

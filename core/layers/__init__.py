@@ -9,7 +9,7 @@ from fw.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from fw.layers.context import ModelContext
 from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod
 from fw.layers.norm import RMSNorm
-from fw.layers.rotary import RotaryEmbedding
+from fw.layers.rotary import RotaryEmbedding, apply_rotary
 from fw.layers.weights import default_weight_loader, load_named_weights
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "UnquantizedLinearMethod",
     "RMSNorm",
     "RotaryEmbedding",
+    "apply_rotary",
     "default_weight_loader",
     "load_named_weights",
 ]

@@ -39,11 +39,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int):
-        """q: [T, H*D], k: [T, Hkv*D] -> the same, rotated at `positions` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _apply(q, cos, sin, head_dim, self.rotary_dim), _apply(k, cos, sin, head_dim, self.rotary_dim)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, rotary_dim] for `positions` [T]: computed once per step, shared by all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], head_dim: int):
+    """q: [T, H*D], k: [T, Hkv*D] -> the same, rotated (rotate-half layout)."""
+    cos, sin = cos_sin
+    rotary_dim = cos.shape[-1]
+    return _apply(q, cos, sin, head_dim, rotary_dim), _apply(k, cos, sin, head_dim, rotary_dim)
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
