@@ -82,7 +82,10 @@ class EngineConfig:
                 f"--device-memory-utilization must be in (0, 1], got {self.device_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
-        parse_size(self.kv_cache_memory)
+        try:
+            parse_size(self.kv_cache_memory)
+        except ConfigError as exc:  # name the option: the size reader does not know which one it read
+            raise ConfigError(f"--kv-cache-memory: {exc}") from None
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
 
@@ -132,7 +135,9 @@ def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
     return [(f, _base_type(hints[f.name])) for f in dataclasses.fields(cls)]
 
 
-def _coerce(name: str, tp: Any, value: Any) -> Any:
+def _coerce(name: str, tp: Any, value: Any, source: str | None = None) -> Any:
+    """`value` as type `tp`. `source` names where it came from (an FW_* variable, a
+    --config key) so the error points at what the user has to change; default: the flag."""
     if value is None:
         return None
     try:
@@ -151,7 +156,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             return [p.strip() for p in str(value).split(",") if p.strip()]
         return tp(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{flag_name(name)}: cannot read {value!r} as {getattr(tp, '__name__', tp)}") from None
+        raise ConfigError(
+            f"{source or flag_name(name)}: cannot read {value!r} as {getattr(tp, '__name__', tp)}") from None
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
@@ -207,10 +213,10 @@ def resolve_config(
         for key, value in load_yaml_options(config_file).items():
             if key not in fields:
                 raise ConfigError(f"--config {config_file}: unknown option {key!r}; known: {', '.join(sorted(fields))}")
-            values[key] = _coerce(key, fields[key], value)
+            values[key] = _coerce(key, fields[key], value, f"--config {config_file}: {key}")
     for name, tp in fields.items():
         if env_name(name) in environ:
-            values[name] = _coerce(name, tp, environ[env_name(name)])
+            values[name] = _coerce(name, tp, environ[env_name(name)], env_name(name))
     for source in (cli or {}, overrides):
         for name, value in source.items():
             if name not in fields:

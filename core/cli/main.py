@@ -35,18 +35,22 @@ def build_parser(plugins=None) -> argparse.ArgumentParser:
     return parser
 
 
+def _strict_flag(argv: list[str]) -> bool | None:
+    """--strict-plugins / --no-strict-plugins, read before parsing because plugins shape the
+    parser; None leaves FW_STRICT_PLUGINS in charge (the CLI beats the environment)."""
+    if "--no-strict-plugins" in argv:
+        return False
+    return True if "--strict-plugins" in argv else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     plugins = None
     if not any(a in ("--version", "-h", "--help") for a in argv[:1]):
         from fw.plugins.manager import get_plugin_manager
 
-        strict = "--strict-plugins" in argv
         try:
-            plugins = get_plugin_manager()
-            if strict:
-                plugins.strict = True
-                plugins.raise_if_strict()
+            plugins = get_plugin_manager(strict=_strict_flag(argv))
         except FwError as exc:
             print(f"fw: error: {exc}", file=sys.stderr)
             return 2

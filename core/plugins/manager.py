@@ -121,6 +121,7 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
         self.registries: dict[str, Registry] = {kind: Registry(kind) for kind in KINDS}
+        self.custom_architectures: list[str] = []  # spec names added by --custom-architectures
         self._loaded = False
 
     # -- loading -----------------------------------------------------------------
@@ -204,12 +205,12 @@ class PluginManager:
         spec_kind = getattr(spec, "kind", None)
         if spec_kind != kind:
             raise TypeError(f"{info.name} passed a {type(spec).__name__} (kind {spec_kind}) to the {kind} registry")
-        registry = self.registries[kind]
-        registry.add(spec, info.name, info.distribution, override=override)
+        registration = self.registries[kind].add(spec, info.name, info.distribution, override=override)
         info.provides.setdefault(kind, []).append(spec.name)
-        replaced = registry.registration(spec.name).overrides
-        if replaced:
-            info.overrides.setdefault(kind, []).append(f"{spec.name} (from {replaced[-1]})")
+        if registration.overrides:
+            # Credit the winner, which is not `info` when an earlier plugin overrode this one.
+            winner = self.plugins.get(registration.plugin, info)
+            winner.overrides.setdefault(kind, []).append(f"{spec.name} (from {registration.overrides[-1]})")
 
     def raise_if_strict(self) -> None:
         failed = [p for p in self.plugins.values() if p.error]
@@ -241,6 +242,7 @@ class PluginManager:
             self.plugins[info.name] = info
             for spec in specs:
                 self._register_spec("architecture", info, spec, override=True)
+                self.custom_architectures.append(spec.name)
 
     # -- queries ----------------------------------------------------------------------
 
@@ -293,11 +295,17 @@ def import_custom_module(ref: str):
 _default: PluginManager | None = None
 
 
-def get_plugin_manager() -> PluginManager:
-    """The process-wide manager, loaded on first use."""
+def get_plugin_manager(strict: bool | None = None) -> PluginManager:
+    """The process-wide manager, loaded on first use.
+
+    `strict` (from a CLI flag) takes precedence over FW_STRICT_PLUGINS when the
+    manager is created, and makes an already loaded one fail if plugins failed."""
     global _default
     if _default is None:
-        _default = PluginManager().load()
+        _default = PluginManager(strict=strict).load()
+    elif strict:
+        _default.strict = True
+        _default.raise_if_strict()
     return _default
 
 

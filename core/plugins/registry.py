@@ -21,6 +21,7 @@ class Registration(Generic[T]):
     plugin: str  # the plugin's name (entry-point name, or "custom:<module>")
     distribution: str  # the distribution that ships it
     overrides: list[str] = field(default_factory=list)  # distributions it replaced
+    override: bool = False  # registered with override=True
 
 
 class Registry(Generic[T]):
@@ -30,25 +31,35 @@ class Registry(Generic[T]):
         self.kind = kind
         self._entries: dict[str, Registration[T]] = {}
 
-    def add(self, spec: T, plugin: str, distribution: str, override: bool = False) -> None:
+    def add(self, spec: T, plugin: str, distribution: str, override: bool = False) -> Registration[T]:
+        """Register `spec`; returns the registration now in effect under its name.
+
+        An override wins whichever side loads first: plugins load in distribution-name
+        order, so an overriding plugin may register before the one it replaces."""
         name = getattr(spec, "name", None)
         if not isinstance(name, str) or not name:
             raise TypeError(f"{self.kind} registered by {distribution} has no name: {spec!r}")
         previous = self._entries.get(name)
-        if previous is not None and not override:
+        if previous is not None and not override and not previous.override:
             raise DuplicatePluginNameError(
                 f"{self.kind} {name!r} is registered twice: by {previous.distribution} "
                 f"(plugin {previous.plugin}) and by {distribution} (plugin {plugin}). "
                 f"Uninstall or disable one of them (FW_DISABLE_PLUGINS), or have the later "
                 f"one register with override=True."
             )
+        if previous is not None and not override:  # the earlier registration overrides this one
+            previous.overrides.append(distribution)
+            logger.warning("%s %r from %s overrides the one from %s", self.kind, name, previous.distribution,
+                           distribution)
+            return previous
         overrides = []
         if previous is not None:
             overrides = [*previous.overrides, previous.distribution]
             logger.warning(
                 "%s %r from %s overrides the one from %s", self.kind, name, distribution, previous.distribution
             )
-        self._entries[name] = Registration(spec, plugin, distribution, overrides)
+        self._entries[name] = Registration(spec, plugin, distribution, overrides, override)
+        return self._entries[name]
 
     def get(self, name: str) -> T:
         try:

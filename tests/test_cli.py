@@ -1,0 +1,183 @@
+"""The `fw` command: version, generate (as a real subprocess), plugins list in
+table and JSON form, plugin-provided subcommands and options, and errors a
+user can cause reported as one line and a non-zero exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+import plugin_fixtures as pf
+from fw.cli.main import build_parser, main
+from fw.config import EngineConfig, flag_name
+from fw.plugins.manager import PluginManager, reset_plugin_manager
+from fw.version import PLUGIN_API_VERSION, __version__
+
+SMALL_KV = ["--num-kv-blocks", "32"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("FW_"):
+            monkeypatch.delenv(key)
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return pf.tiny_llama(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    """A directory on sys.path for fake plugin distributions."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def listed(capsys, *args: str) -> dict[str, dict]:
+    reset_plugin_manager()
+    assert main(["plugins", "list", "--json", *args]) == 0
+    return {row["name"]: row for row in json.loads(capsys.readouterr().out)["plugins"]}
+
+
+def test_version():
+    proc = pf.run_fw("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"fw {__version__} (plugin API {PLUGIN_API_VERSION})"
+
+
+def test_generate_subprocess_matches_the_library(llama_dir):
+    from fw import LLM, SamplingParams
+
+    proc = pf.run_fw("generate", "--model", str(llama_dir), "--prompt", "hello world", "--max-tokens", "5",
+                     "--temperature", "0", "--ignore-eos", *SMALL_KV)
+    assert proc.returncode == 0, proc.stderr
+    expected = LLM(str(llama_dir), num_kv_blocks=32).generate(
+        "hello world", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert len(expected.token_ids) == 5
+    assert proc.stdout == expected.text + "\n"
+
+
+def test_generate_errors_are_one_line_and_exit_2(llama_dir, tmp_path, capsys):
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "hi", "--kv-cache-memory", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fw: error: --kv-cache-memory") and "Traceback" not in err
+
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own check of typed flags
+        main(["generate", "--prompt", "hi", "--max-batch-size", "many"])
+    assert exit_info.value.code == 2
+    assert "--max-batch-size: invalid int value: 'many'" in capsys.readouterr().err
+
+
+def test_generate_reads_engine_options_from_env_and_yaml(llama_dir, tmp_path, monkeypatch, capsys):
+    """FW_* variables and --config reach the engine through `fw generate`."""
+    config = tmp_path / "fw.yaml"
+    config.write_text(f"model: {llama_dir}\nnum-kv-blocks: 32\n")
+    monkeypatch.setenv("FW_ATTENTION_BACKEND", "nonexistent")
+    assert main(["generate", "--config", str(config), "--prompt", "hi", "--max-tokens", "2"]) == 2
+    assert "no attention backend named 'nonexistent'" in capsys.readouterr().err
+    assert main(["generate", "--config", str(config), "--prompt", "hi", "--max-tokens", "2", "--temperature", "0",
+                 "--attention-backend", "sdpa"]) == 0
+
+
+def test_plugins_list_table(capsys):
+    assert main(["plugins", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["PLUGIN", "DISTRIBUTION", "VERSION", "API", "STATUS", "PROVIDES"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert re.match(rf"llama\s+fw\s+{re.escape(__version__)}\s+1\.0\s+loaded\s+architecture: llama$", rows["llama"])
+    assert re.search(r"loaded\s+attention_backend: sdpa$", rows["sdpa"])
+    assert "sampler: logit_bias, min_tokens, penalties, temperature, top_k, top_p, min_p, default" in rows["samplers"]
+    # columns line up: every row's STATUS starts where the header's does
+    status_col = lines[0].index("STATUS")
+    assert all(line[status_col:].startswith("loaded") for line in lines[1:])
+
+
+def test_plugins_list_json_and_kind_filter(capsys):
+    rows = listed(capsys)
+    assert {"llama", "sdpa", "samplers"} <= set(rows)
+    assert rows["sdpa"] == {
+        "name": "sdpa", "distribution": "fw", "version": __version__, "module": "fw.backends.attention.sdpa",
+        "api_version": "1.0", "status": "loaded", "error": None, "warnings": [],
+        "provides": {"attention_backend": ["sdpa"]}, "overrides": {},
+    }
+    samplers = listed(capsys, "--kind", "sampler")
+    assert set(samplers) == {"samplers"}
+    assert samplers["samplers"]["provides"] == {"sampler": rows["samplers"]["provides"]["sampler"]}
+    assert set(listed(capsys, "--kind", "architecture")) == {"llama"}
+    assert listed(capsys, "--kind", "grammar_backend") == {}
+
+    with pytest.raises(SystemExit):
+        main(["plugins", "list", "--kind", "widgets"])
+    assert "invalid choice: 'widgets'" in capsys.readouterr().err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "generate" in out and "plugins" in out
+
+
+def test_every_engine_option_is_a_generate_flag():
+    parser = build_parser()
+    generate = parser._subparsers._group_actions[0].choices["generate"]
+    flags = {s for action in generate._actions for s in action.option_strings}
+    missing = [flag_name(name) for name in EngineConfig.__dataclass_fields__ if flag_name(name) not in flags]
+    assert not missing
+    assert "--config" in flags
+
+
+def test_plugin_subcommand_and_extra_options(root, capsys):
+    """Plugins add `fw <name>` subcommands and options on existing ones; a plugin cannot
+    take over a core command's name."""
+    module = pf.unique("fwtest_cli_plugin")
+    source = pf.plugin_source("""
+        def configure(parser):
+            parser.add_argument("--who", default="world")
+
+        def run(args):
+            print(f"hello {args.who} from a plugin")
+            return 3
+
+        def fake_generate(args):
+            raise AssertionError("a plugin replaced the core generate command")
+
+        @hookimpl
+        def fw_register_cli_commands(register):
+            register(CliCommandSpec("hello", "Say hello.", configure, run))
+            register(CliCommandSpec("generate", "Not the real one.", configure, fake_generate))
+
+        @hookimpl
+        def fw_add_cli_arguments(command, parser):
+            if command == "generate":
+                parser.add_argument("--shout", action="store_true", help="an option from a plugin")
+        """, imports="from fw.plugins import CliCommandSpec\n")
+    pf.make_distribution(root, "fw-cli-plugin", {module: source}, {"cli_plugin": module})
+
+    assert main(["hello", "--who", "tests"]) == 3
+    assert capsys.readouterr().out == "hello tests from a plugin\n"
+    reset_plugin_manager()
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--shout" in help_text and "--prompt" in help_text
+    rows = listed(capsys, "--kind", "cli_command")
+    assert rows["cli_plugin"]["provides"] == {"cli_command": ["hello", "generate"]}
+
+
+def test_build_parser_without_plugins_has_core_commands():
+    parser = build_parser(None)
+    commands = parser._subparsers._group_actions[0].choices
+    assert set(commands) == {"generate", "plugins"}
+    parser_with_plugins = build_parser(PluginManager(entry_points=pf.fw_entry_points()).load())
+    assert set(parser_with_plugins._subparsers._group_actions[0].choices) == {"generate", "plugins"}

@@ -1,0 +1,193 @@
+"""EngineConfig as the one source of truth: a flag, an FW_* variable and a YAML
+key per field; precedence defaults < YAML < environment < CLI; bad values are
+ConfigErrors that name the option."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from fw.config import (
+    EngineConfig,
+    add_config_arguments,
+    env_name,
+    flag_name,
+    load_yaml_options,
+    parse_size,
+    resolve_config,
+)
+from fw.errors import ConfigError
+
+FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]
+
+# One non-default value per field, as typed on the command line and as parsed.
+# A new EngineConfig field must be added here (test_every_field_has_a_sample fails otherwise).
+SAMPLES: dict[str, tuple[list[str], object]] = {
+    "model": (["--model", "some/model"], "some/model"),
+    "revision": (["--revision", "v2"], "v2"),
+    "tokenizer": (["--tokenizer", "tok/dir"], "tok/dir"),
+    "trust_remote_code": (["--trust-remote-code"], True),
+    "dtype": (["--dtype", "bfloat16"], "bfloat16"),
+    "device": (["--device", "cpu"], "cpu"),
+    "seed": (["--seed", "7"], 7),
+    "max_length": (["--max-length", "512"], 512),
+    "attention_backend": (["--attention-backend", "sdpa"], "sdpa"),
+    "sampling_backend": (["--sampling-backend", "mine"], "mine"),
+    "quantization": (["--quantization", "fp8"], "fp8"),
+    "kv_cache_page_size": (["--kv-cache-page-size", "32"], 32),
+    "kv_cache_memory": (["--kv-cache-memory", "512MiB"], "512MiB"),
+    "device_memory_utilization": (["--device-memory-utilization", "0.5"], 0.5),
+    "num_kv_blocks": (["--num-kv-blocks", "100"], 100),
+    "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
+    "max_batch_size": (["--max-batch-size", "8"], 8),
+    "max_batch_input_tokens": (["--max-batch-input-tokens", "256"], 256),
+    "prefill_chunk_size": (["--prefill-chunk-size", "64"], 64),
+    "custom_architectures": (["--custom-architectures", "a.py", "--custom-architectures", "d:m"], ["a.py", "d:m"]),
+    "strict_plugins": (["--strict-plugins"], True),
+    "num_threads": (["--num-threads", "2"], 2),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_config_arguments(p)
+    return p
+
+
+def from_cli(argv: list[str], environ: dict[str, str] | None = None) -> EngineConfig:
+    args = parser().parse_args(argv)
+    return resolve_config(cli=vars(args), config_file=args.config, environ=environ or {})
+
+
+def env_text(value: object) -> str:
+    if isinstance(value, list):
+        return ",".join(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def test_every_field_has_a_sample():
+    assert set(SAMPLES) == set(FIELDS)
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_field_has_a_flag_an_env_var_and_a_yaml_key(name, tmp_path):
+    argv, expected = SAMPLES[name]
+    default = getattr(EngineConfig(), name)
+    assert expected != default
+    assert getattr(from_cli(argv), name) == expected
+    assert getattr(resolve_config(environ={env_name(name): env_text(expected)}), name) == expected
+    config = tmp_path / "c.yaml"
+    import yaml
+
+    config.write_text(yaml.safe_dump({flag_name(name)[2:]: expected}))
+    assert getattr(resolve_config(config_file=str(config), environ={}), name) == expected
+    # unset everywhere: the dataclass default
+    assert getattr(from_cli([]), name) == default
+
+
+def test_flags_are_declared_once_per_field():
+    flags = [s for a in parser()._actions for s in a.option_strings if s.startswith("--")]
+    assert sorted(set(flags)) == sorted(flags)
+    expected = {flag_name(n) for n in FIELDS} | {f"--no-{flag_name(n)[2:]}" for n in FIELDS
+                                                 if isinstance(getattr(EngineConfig(), n), bool)}
+    assert set(flags) == expected | {"--config", "--help"}
+
+
+def test_precedence_defaults_yaml_env_cli(tmp_path):
+    config = tmp_path / "fw.yaml"
+    config.write_text(
+        "max-batch-size: 8\n"           # YAML, overridden by env and CLI
+        "seed: 5\n"                      # YAML, overridden by env
+        "kv_cache_page_size: 32\n"       # YAML only
+        "enable_prefix_caching: false\n"  # YAML, overridden by the CLI
+    )
+    environ = {"FW_MAX_BATCH_SIZE": "16", "FW_SEED": "6", "FW_DEVICE": "cpu"}
+    cfg = from_cli(["--config", str(config), "--max-batch-size", "24", "--enable-prefix-caching"], environ)
+    assert cfg.max_batch_size == 24
+    assert cfg.seed == 6
+    assert cfg.kv_cache_page_size == 32
+    assert cfg.enable_prefix_caching is True
+    assert cfg.device == "cpu"
+    assert cfg.max_batch_input_tokens == EngineConfig().max_batch_input_tokens
+
+    without_cli = from_cli(["--config", str(config)], environ)
+    assert (without_cli.max_batch_size, without_cli.enable_prefix_caching) == (16, False)
+    # FW_CONFIG names the file when --config is not given
+    via_env = from_cli([], {"FW_CONFIG": str(config)})
+    assert (via_env.max_batch_size, via_env.seed) == (8, 5)
+
+
+def test_library_keywords_act_like_cli_values():
+    cfg = resolve_config(environ={"FW_MAX_BATCH_SIZE": "16"}, max_batch_size=4, model="m")
+    assert (cfg.max_batch_size, cfg.model) == (4, "m")
+    with pytest.raises(ConfigError, match="unknown engine option 'max_batch'"):
+        resolve_config(environ={}, max_batch=4)
+
+
+@pytest.mark.parametrize("text, value", [("0", False), ("false", False), ("No", False), ("off", False),
+                                          ("1", True), ("TRUE", True), ("yes", True), ("on", True)])
+def test_boolean_environment_values(text, value):
+    assert resolve_config(environ={"FW_ENABLE_PREFIX_CACHING": text}).enable_prefix_caching is value
+
+
+def test_bad_values_name_the_option(tmp_path):
+    def error(argv=(), environ=None, yaml_text=None) -> str:
+        config_argv = []
+        if yaml_text is not None:
+            (tmp_path / "bad.yaml").write_text(yaml_text)
+            config_argv = ["--config", str(tmp_path / "bad.yaml")]
+        with pytest.raises(ConfigError) as err:
+            from_cli([*argv, *config_argv], environ)
+        return str(err.value)
+
+    assert "--kv-cache-memory" in error(["--kv-cache-memory", "lots"])
+    assert "512MiB" in error(["--kv-cache-memory", "lots"])  # says what to write instead
+    assert "--kv-cache-memory" in error(environ={"FW_KV_CACHE_MEMORY": "lots"})
+    assert "--kv-cache-page-size must be positive" in error(["--kv-cache-page-size", "0"])
+    assert "--device-memory-utilization" in error(["--device-memory-utilization", "1.5"])
+    assert "--max-batch-size" in error(["--max-batch-size", "-1"])
+    assert "--num-kv-blocks" in error(["--num-kv-blocks", "0"])
+    assert "--prefill-chunk-size" in error(["--prefill-chunk-size", "0"])
+
+    assert "FW_MAX_BATCH_SIZE" in error(environ={"FW_MAX_BATCH_SIZE": "many"})
+    assert "FW_ENABLE_PREFIX_CACHING" in error(environ={"FW_ENABLE_PREFIX_CACHING": "maybe"})
+    assert "--dtype must be one of" in error(environ={"FW_DTYPE": "float8"})
+
+    unknown = error(yaml_text="max_batch_size: 4\nmax_bach_size: 8\n")
+    assert "unknown option 'max_bach_size'" in unknown and "bad.yaml" in unknown
+    assert "max_batch_size" in unknown  # lists the known keys
+    assert "max_batch_size" in error(yaml_text="max_batch_size: lots\n")
+    assert "not valid YAML" in error(yaml_text="max_batch_size: [\n")
+    assert "expected a mapping" in error(yaml_text="- a\n- b\n")
+    with pytest.raises(ConfigError, match="no such file"):
+        load_yaml_options(tmp_path / "missing.yaml")
+
+
+def test_dataclass_validates_library_use():
+    with pytest.raises(ConfigError, match="--kv-cache-memory"):
+        EngineConfig(kv_cache_memory="lots")
+    with pytest.raises(ConfigError, match="--dtype"):
+        EngineConfig(dtype="float8")
+    assert EngineConfig(prefill_chunk_size=None, max_batch_input_tokens=100).chunk_size == 100
+    assert EngineConfig(prefill_chunk_size=10).chunk_size == 10
+
+
+@pytest.mark.parametrize("text, size", [("1GiB", 2**30), ("512MiB", 512 * 2**20), ("2gb", 2 * 10**9),
+                                         ("1.5 KiB", 1536), ("4096", 4096), (1234, 1234), ("10b", 10)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "", "1 GiG", "-5MiB", "MiB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError, match="cannot read size"):
+        parse_size(text)
+
+
+def test_list_option_from_env_and_yaml(tmp_path):
+    assert resolve_config(environ={"FW_CUSTOM_ARCHITECTURES": "a.py, pkg.mod"}).custom_architectures == [
+        "a.py", "pkg.mod"]
+    (tmp_path / "c.yaml").write_text("custom-architectures:\n  - x.py\n  - d:m\n")
+    assert resolve_config(config_file=str(tmp_path / "c.yaml"), environ={}).custom_architectures == ["x.py", "d:m"]

@@ -1,0 +1,599 @@
+"""The plugin system: discovery through entry points, failure isolation, strict
+mode, name conflicts and overrides, allow/block lists, API versions, custom
+architectures, attention-backend selection, and the example third-party plugin
+(plugins/fw-example-plugin) installed the way a user installs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import plugin_fixtures as pf
+from fw.errors import (
+    ConfigError,
+    DuplicatePluginNameError,
+    PluginLoadError,
+    UnknownImplementationError,
+    UnsupportedArchitectureError,
+    UnsupportedConfigurationError,
+)
+from fw.plugins import AttentionBackendSpec, AttentionRequirements, SamplerSpec
+from fw.plugins.manager import PluginManager, reset_plugin_manager
+from fw.plugins.registry import Registry
+from fw.plugins.selection import select_attention_backend
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch):
+    """No FW_* variable from the caller's shell, and a fresh process-wide plugin manager."""
+    for key in list(os.environ):
+        if key.startswith("FW_"):
+            monkeypatch.delenv(key)
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch) -> Path:
+    """A directory on sys.path for fake plugin distributions (as site-packages would be)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp()
+
+
+@pytest.fixture(scope="module")
+def example_site(base) -> Path:
+    """plugins/fw-example-plugin pip-installed into a directory, importable for this module's tests."""
+    site = pf.install_example_plugin(base)
+    sys.path.insert(0, str(site))
+    yield site
+    sys.path.remove(str(site))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(base) -> Path:
+    return pf.tiny_llama(base)
+
+
+@pytest.fixture(scope="module")
+def example_dir(base) -> Path:
+    return pf.tiny_llama(base, ("ExampleLlamaForCausalLM",))
+
+
+@pytest.fixture(scope="module")
+def example_llm(example_site, example_dir):
+    return small_llm(str(example_dir), plugins=PluginManager(entry_points=pf.fw_entry_points(example_site)).load())
+
+
+def small_llm(model: str, **options):
+    """An LLM with a small KV cache (the 1 GiB default costs a second to allocate)."""
+    from fw import LLM
+
+    return LLM(model, **{"num_kv_blocks": 32, **options})
+
+
+def greedy(**kwargs):
+    """Greedy sampling parameters, EOS ignored, overridable."""
+    from fw import SamplingParams
+
+    return SamplingParams(**{**GREEDY, **kwargs})
+
+
+def builtin_manager(*roots: Path, **kwargs) -> PluginManager:
+    return PluginManager(entry_points=pf.fw_entry_points(*roots), **kwargs).load()
+
+
+def broken_distribution(root: Path, plugin: str = "broken") -> Path:
+    module = pf.unique("fwtest_broken")
+    return pf.make_distribution(root, "fw-broken-plugin", {module: pf.BROKEN_PLUGIN}, {plugin: module})
+
+
+def sampler_distribution(root: Path, dist: str, stage: str, override: bool = False,
+                         api_version: str | None = "1.0", plugin: str | None = None) -> Path:
+    module = pf.unique("fwtest_sampler")
+    return pf.make_distribution(root, dist, {module: pf.sampler_plugin(stage, override, api_version)},
+                                {plugin or dist.replace("-", "_"): module})
+
+
+# -- the example plugin, installed ------------------------------------------------------------
+
+
+def test_example_plugin_listed_by_cli_next_to_a_broken_one(example_site, tmp_path):
+    broken = broken_distribution(tmp_path)
+    rows = pf.plugins_json(pf.run_fw("plugins", "list", "--json", pythonpath=[example_site, broken]))
+
+    example = rows["example"]
+    assert example["distribution"] == "fw-example-plugin"
+    assert example["version"] == "0.1.0"
+    assert example["module"] == "fw_example_plugin.plugin"
+    assert example["api_version"] == "1.0"
+    assert example["status"] == "loaded" and example["error"] is None
+    assert example["provides"] == {"architecture": ["example-llama"], "sampler": ["banned_tokens"]}
+
+    assert rows["broken"]["status"] == "error"
+    assert rows["broken"]["distribution"] == "fw-broken-plugin"
+    assert "RuntimeError: example plugin is broken on purpose" in rows["broken"]["error"]
+    for name in ("llama", "sdpa", "samplers"):
+        assert rows[name]["status"] == "loaded", rows[name]
+
+    strict = pf.run_fw("plugins", "list", pythonpath=[example_site, broken], env={"FW_STRICT_PLUGINS": "1"})
+    assert strict.returncode != 0
+    assert "strict-plugins" in strict.stderr and "broken (fw-broken-plugin)" in strict.stderr
+    assert "example plugin is broken on purpose" in strict.stderr
+    assert "Traceback" not in strict.stderr
+
+
+def test_example_architecture_generates_like_transformers(example_llm, example_dir):
+    assert example_llm.engine.loaded.architecture.name == "example-llama"
+    out = example_llm.generate("hello world", greedy(max_tokens=8))[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert out.outputs[0].token_ids == pf.hf_greedy(example_dir, out.prompt_token_ids, 8)
+
+
+def test_example_architecture_parallel_residual_variant(example_site, example_llm, base):
+    parallel_dir = pf.tiny_llama(base, ("ExampleLlamaForCausalLM",), parallel_residual=True)
+    llm = small_llm(str(parallel_dir), plugins=builtin_manager(example_site))
+    assert llm.engine.loaded.model.model.layers[0].parallel is True
+    parallel = llm.generate("hello world", greedy(max_tokens=8))[0].outputs[0].token_ids
+    sequential = example_llm.generate("hello world", greedy(max_tokens=8))[0].outputs[0].token_ids
+    assert len(parallel) == 8
+    assert parallel != sequential  # same weights, different block wiring
+
+
+def test_example_architecture_comes_from_the_plugin(example_dir):
+    with pytest.raises(UnsupportedArchitectureError, match="ExampleLlamaForCausalLM"):
+        small_llm(str(example_dir), plugins=builtin_manager())
+
+
+def test_banned_tokens_stage(example_llm):
+    from fw import SamplingParams
+
+    plain = example_llm.generate("hello world", greedy(max_tokens=8))[0].outputs[0].token_ids
+    banned = sorted(set(plain))
+    ban = SamplingParams(max_tokens=8, extra_args={"banned_token_ids": banned + [10**6]}, **GREEDY)
+    # One batch: the banning row and a plain row; the plain row must be untouched.
+    with_ban, without = example_llm.generate(["hello world", "hello world"], [ban, greedy(max_tokens=8)])
+    assert not set(with_ban.outputs[0].token_ids) & set(banned)
+    assert len(with_ban.outputs[0].token_ids) == 8
+    assert without.outputs[0].token_ids == plain
+
+    sampled = SamplingParams(max_tokens=30, temperature=1.5, seed=3, ignore_eos=True,
+                             extra_args={"banned_token_ids": banned})
+    tokens = example_llm.generate("hello world", sampled)[0].outputs[0].token_ids
+    assert len(tokens) == 30 and not set(tokens) & set(banned)
+
+
+# -- failure isolation and strict mode ------------------------------------------------------------
+
+
+def test_broken_plugin_is_reported_and_the_rest_works(root, llama_dir):
+    manager = builtin_manager(broken_distribution(root))
+    info = manager.plugins["broken"]
+    assert info.distribution == "fw-broken-plugin"
+    assert info.error == "RuntimeError: example plugin is broken on purpose"
+    row = next(r for r in manager.inventory() if r["name"] == "broken")
+    assert row["status"] == "error" and row["provides"] == {}
+    assert [p.name for p in manager.failures()] == ["broken"]
+    assert {"llama", "sdpa", "samplers"} <= {n for n, p in manager.plugins.items() if p.error is None}
+
+    llm = small_llm(str(llama_dir), plugins=manager)
+    assert len(llm.generate("hello", greedy(max_tokens=4))[0].outputs[0].token_ids) == 4
+    with pytest.raises(PluginLoadError, match="broken"):
+        small_llm(str(llama_dir), plugins=manager, strict_plugins=True)
+
+
+def test_strict_mode_argument_and_environment(root, monkeypatch):
+    root = broken_distribution(root)
+    with pytest.raises(PluginLoadError, match=r"1 plugin\(s\) failed.*broken \(fw-broken-plugin\).*RuntimeError"):
+        builtin_manager(root, strict=True)
+    monkeypatch.setenv("FW_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginLoadError, match="broken on purpose"):
+        builtin_manager(root)
+    monkeypatch.setenv("FW_STRICT_PLUGINS", "0")
+    assert builtin_manager(root).plugins["broken"].error
+
+
+def test_strict_mode_from_the_cli(root, monkeypatch, capsys):
+    from fw.cli.main import main
+
+    broken_distribution(root)
+    assert main(["plugins", "list"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"broken\s+fw-broken-plugin.*error: RuntimeError: example plugin is broken", table)
+
+    reset_plugin_manager()
+    assert main(["plugins", "list", "--strict-plugins"]) != 0
+    err = capsys.readouterr().err
+    assert "fw: error: --strict-plugins" in err and "broken on purpose" in err
+
+    reset_plugin_manager()
+    monkeypatch.setenv("FW_STRICT_PLUGINS", "1")
+    assert main(["plugins", "list"]) != 0
+    assert "broken on purpose" in capsys.readouterr().err
+
+
+def test_cli_flag_beats_strict_environment(root, monkeypatch, capsys, llama_dir):
+    """Precedence is env < CLI for FW_STRICT_PLUGINS too: --no-strict-plugins wins."""
+    from fw.cli.main import main
+
+    broken_distribution(root)
+    monkeypatch.setenv("FW_STRICT_PLUGINS", "1")
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "hi", "--max-tokens", "1",
+                 "--num-kv-blocks", "32", "--no-strict-plugins"]) == 0
+    assert "fw: error" not in capsys.readouterr().err
+    reset_plugin_manager()
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "hi", "--max-tokens", "1"]) == 2
+    assert "broken on purpose" in capsys.readouterr().err
+
+
+def test_plugin_whose_hook_raises_is_reported(root):
+    module = pf.unique("fwtest_hook_raises")
+    source = pf.plugin_source("""
+        @hookimpl
+        def fw_register_samplers(register):
+            raise ValueError("cannot build my sampler")
+        """)
+    root = pf.make_distribution(root, "fw-hook-raises", {module: source}, {"hook_raises": module})
+    manager = builtin_manager(root)
+    assert manager.plugins["hook_raises"].error == "fw_register_samplers raised ValueError: cannot build my sampler"
+    assert "default" in manager.registry("sampler")
+
+
+# -- name conflicts and overrides -------------------------------------------------------------------
+
+
+def test_duplicate_name_without_override_names_both_distributions(root):
+    sampler_distribution(root, "fw-dup-one", "dup_stage")
+    sampler_distribution(root, "fw-dup-two", "dup_stage")
+    with pytest.raises(DuplicatePluginNameError) as err:
+        builtin_manager(root)
+    message = str(err.value)
+    assert "sampler 'dup_stage'" in message
+    assert "fw-dup-one" in message and "fw-dup-two" in message
+    assert "override=True" in message
+
+
+def test_duplicate_of_a_builtin_without_override_fails(root):
+    sampler_distribution(root, "fw-zz-topk", "top_k")
+    with pytest.raises(DuplicatePluginNameError, match=r"'top_k'.*by fw \(plugin samplers\).*fw-zz-topk"):
+        builtin_manager(root)
+
+
+def test_override_is_accepted_and_shown(root, capsys):
+    sampler_distribution(root, "fw-dup-one", "dup_stage")
+    sampler_distribution(root, "fw-dup-two", "dup_stage", override=True)
+    manager = builtin_manager(root)
+    registration = manager.registry("sampler").registration("dup_stage")
+    assert registration.distribution == "fw-dup-two"
+    assert registration.overrides == ["fw-dup-one"]
+    rows = {r["name"]: r for r in manager.inventory()}
+    assert rows["fw_dup_two"]["overrides"] == {"sampler": ["dup_stage (from fw-dup-one)"]}
+    assert rows["fw_dup_one"]["overrides"] == {}
+
+    from fw.cli.plugins_cmd import format_table
+
+    assert "(overrides dup_stage (from fw-dup-one))" in format_table(manager.inventory())
+
+
+def test_override_wins_whatever_the_load_order(root):
+    """Plugins load sorted by distribution name; an override from a distribution that
+    sorts before `fw` must still replace the built-in, not trip over it."""
+    sampler_distribution(root, "aaa-fast-topk", "top_k", override=True)
+    manager = builtin_manager(root)
+    registration = manager.registry("sampler").registration("top_k")
+    assert registration.distribution == "aaa-fast-topk"
+    assert registration.overrides == ["fw"]
+    rows = {r["name"]: r for r in manager.inventory()}
+    assert rows["aaa_fast_topk"]["overrides"] == {"sampler": ["top_k (from fw)"]}
+    assert manager.registry("sampler").get("top_k").order == 99
+
+
+def test_two_distributions_with_the_same_plugin_name(root):
+    sampler_distribution(root, "fw-same-a", "stage_a", plugin="same")
+    sampler_distribution(root, "fw-same-b", "stage_b", plugin="same")
+    manager = builtin_manager(root)
+    assert "stage_a" in manager.registry("sampler")
+    assert "stage_b" not in manager.registry("sampler")
+    clash = manager.plugins["same@fw-same-b"]
+    assert "'same' is also used by fw-same-a" in clash.error
+
+
+# -- FW_PLUGINS / FW_DISABLE_PLUGINS ----------------------------------------------------------------
+
+
+def test_allow_and_block_lists(example_site, monkeypatch, capsys):
+    from fw.cli.main import main
+
+    monkeypatch.syspath_prepend(str(example_site))
+
+    def listed() -> dict[str, dict]:
+        reset_plugin_manager()
+        assert main(["plugins", "list", "--json"]) == 0
+        return {r["name"]: r for r in json.loads(capsys.readouterr().out)["plugins"]}
+
+    assert {"llama", "sdpa", "samplers", "example"} <= set(listed())
+    monkeypatch.setenv("FW_DISABLE_PLUGINS", "example")
+    assert set(listed()) == {"llama", "sdpa", "samplers"}
+    monkeypatch.setenv("FW_DISABLE_PLUGINS", "fw-example-plugin, sdpa")  # distribution names work too
+    assert set(listed()) == {"llama", "samplers"}
+    monkeypatch.delenv("FW_DISABLE_PLUGINS")
+    monkeypatch.setenv("FW_PLUGINS", "example,samplers")
+    assert set(listed()) == {"example", "samplers"}
+    monkeypatch.setenv("FW_PLUGINS", "fw")  # a distribution: all of its plugins
+    assert set(listed()) == {"llama", "sdpa", "samplers"}
+    monkeypatch.setenv("FW_DISABLE_PLUGINS", "llama")  # the block-list wins over the allow-list
+    assert set(listed()) == {"sdpa", "samplers"}
+
+
+# -- plugin API version -----------------------------------------------------------------------------
+
+
+def test_newer_major_api_is_refused(root):
+    sampler_distribution(root, "fw-future", "future_stage", api_version="2.0")
+    manager = builtin_manager(root)
+    info = manager.plugins["fw_future"]
+    assert info.error == (
+        "refused: targets plugin API 2.0, but this fw provides 1.0; install a version of the plugin built for API 1.x")
+    assert "future_stage" not in manager.registry("sampler")
+    assert "default" in manager.registry("sampler")
+    with pytest.raises(PluginLoadError, match="refused: targets plugin API 2.0"):
+        builtin_manager(root, strict=True)
+
+
+def test_newer_minor_api_loads_with_a_warning(root):
+    sampler_distribution(root, "fw-newer", "newer_stage", api_version="1.9")
+    with pytest.warns(UserWarning, match=r"fw-newer.*targets plugin API 1\.9, newer than this fw's 1\.0"):
+        manager = builtin_manager(root)
+    info = manager.plugins["fw_newer"]
+    assert info.error is None and info.api_version == "1.9"
+    assert info.warnings == ["targets plugin API 1.9, newer than this fw's 1.0; upgrade fw"]
+    assert "newer_stage" in manager.registry("sampler")
+
+
+@pytest.mark.parametrize("version, loads", [(None, True), ("1.0", True), ("0.9", False), ("one", False)])
+def test_other_api_versions(root, version, loads):
+    sampler_distribution(root, "fw-versioned", "versioned_stage", api_version=version)
+    manager = builtin_manager(root)
+    assert ("versioned_stage" in manager.registry("sampler")) is loads
+    assert (manager.plugins["fw_versioned"].error is None) is loads
+
+
+# -- --custom-architectures -------------------------------------------------------------------------
+
+
+def custom_module(directory: Path, spec_name: str, forced_token: int, api_version: str = "1.0") -> str:
+    """A user's module (not a plugin distribution) whose ARCHITECTURES holds a Llama that
+    always predicts `forced_token`, so generation shows which architecture ran."""
+    name = pf.unique("fwtest_custom_arch")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.py").write_text(textwrap.dedent(f"""
+        import torch
+        from fw.architectures.llama import LlamaForCausalLM
+        from fw.plugins import ArchitectureSpec
+
+        FW_PLUGIN_API_VERSION = {api_version!r}
+        FORCED = {forced_token}
+
+        class ForcedLlama(LlamaForCausalLM):
+            def compute_logits(self, hidden):
+                logits = torch.zeros(hidden.shape[0], self.config.vocab_size, dtype=torch.float32)
+                logits[:, FORCED] = 1.0
+                return logits
+
+        ARCHITECTURES = [ArchitectureSpec(
+            name={spec_name!r}, hf_architectures=("LlamaForCausalLM",),
+            build=lambda cfg, ctx, max_positions=None: ForcedLlama(cfg, ctx, max_positions),
+        )]
+        """))
+    return name
+
+
+def forced_token(llama_dir: Path) -> tuple[int, str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
+    token = tokenizer.encode("hello", add_special_tokens=False)[0]
+    return token, tokenizer.decode([token])
+
+
+def test_custom_architecture_overrides_builtin_llama(tmp_path, llama_dir):
+    token, _ = forced_token(llama_dir)
+    module = custom_module(tmp_path, "llama", token)
+    manager = builtin_manager()
+    manager.add_custom_architectures([f"{tmp_path}:{module}"])
+    registration = manager.registry("architecture").registration("llama")
+    assert registration.plugin == f"custom:{module}"
+    assert registration.overrides == ["fw"]
+    row = next(r for r in manager.inventory() if r["name"] == f"custom:{module}")
+    assert row["overrides"] == {"architecture": ["llama (from fw)"]}
+    assert row["distribution"].startswith("custom (") and row["status"] == "loaded"
+
+    llm = small_llm(str(llama_dir), plugins=manager)
+    assert llm.generate("one two", greedy(max_tokens=5))[0].outputs[0].token_ids == [token] * 5
+
+
+def test_custom_architecture_under_its_own_name_is_used(tmp_path, llama_dir):
+    """A custom module is an explicit choice: it wins for the HF names it claims even
+    when its spec is not named like the built-in it shadows."""
+    token, _ = forced_token(llama_dir)
+    module = custom_module(tmp_path, "forced-llama", token)
+    llm = small_llm(str(llama_dir), plugins=builtin_manager(), custom_architectures=[f"{tmp_path}:{module}"])
+    assert llm.engine.loaded.architecture.name == "forced-llama"
+    assert llm.generate("one two", greedy(max_tokens=3))[0].outputs[0].token_ids == [token] * 3
+
+
+def test_custom_architectures_from_the_cli(tmp_path, llama_dir, capsys):
+    from fw.cli.main import main
+
+    token, text = forced_token(llama_dir)
+    module = custom_module(tmp_path / "dir", "llama", token)
+    assert main(["plugins", "list", "--json", "--custom-architectures", f"{tmp_path / 'dir'}:{module}"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["plugins"]}
+    assert rows[f"custom:{module}"]["provides"] == {"architecture": ["llama"]}
+    assert rows[f"custom:{module}"]["overrides"] == {"architecture": ["llama (from fw)"]}
+
+    reset_plugin_manager()
+    file_module = custom_module(tmp_path / "file", "llama", token)
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "one two", "--max-tokens", "4",
+                 "--num-kv-blocks", "32", "--temperature", "0", "--ignore-eos",
+                 "--custom-architectures", str(tmp_path / "file" / f"{file_module}.py")]) == 0
+    assert capsys.readouterr().out == text * 4 + "\n"
+
+
+def test_bad_custom_architectures(tmp_path):
+    manager = builtin_manager()
+    (tmp_path / "fwtest_no_archs.py").write_text("X = 1\n")
+    with pytest.raises(ConfigError, match="must define a non-empty ARCHITECTURES"):
+        manager.add_custom_architectures([str(tmp_path / "fwtest_no_archs.py")])
+    with pytest.raises(ConfigError, match="no such file"):
+        manager.add_custom_architectures([str(tmp_path / "missing.py")])
+    with pytest.raises(ConfigError, match=r"could not import it \(ModuleNotFoundError"):
+        manager.add_custom_architectures([f"{tmp_path}:fwtest_not_there"])
+    future = custom_module(tmp_path, "llama", 1, api_version="2.0")
+    with pytest.raises(ConfigError, match="targets plugin API 2.0"):
+        manager.add_custom_architectures([f"{tmp_path}:{future}"])
+    assert manager.registry("architecture").registration("llama").distribution == "fw"
+
+
+# -- attention backend selection ------------------------------------------------------------------
+
+
+class _Backend:
+    pass
+
+
+def _registry(*specs: AttentionBackendSpec) -> Registry:
+    registry = Registry("attention_backend")
+    for spec in specs:
+        registry.add(spec, spec.name, f"dist-{spec.name}")
+    return registry
+
+
+CPU_FP32 = AttentionRequirements(device="cpu", dtype="float32", head_size=64, page_size=16)
+
+
+def test_auto_picks_the_highest_priority_usable_backend():
+    registry = _registry(
+        AttentionBackendSpec("reference", _Backend, priority=0),
+        AttentionBackendSpec("fast", _Backend, priority=10),
+        AttentionBackendSpec("gpu_only", _Backend, devices=("cuda",), priority=100),
+        AttentionBackendSpec("missing_pkg", _Backend, priority=50, available=lambda: "package foo is not installed"),
+        AttentionBackendSpec("bf16_only", _Backend, dtypes=("bfloat16",), priority=40),
+    )
+    selection = select_attention_backend(registry, CPU_FP32)
+    assert selection.chosen.name == "fast" and not selection.explicit
+    assert set(selection.rejected) == {"gpu_only", "missing_pkg", "bf16_only"}
+    assert selection.rejected["missing_pkg"] == ["package foo is not installed"]
+    assert select_attention_backend(registry, CPU_FP32, "auto").chosen.name == "fast"
+    explicit = select_attention_backend(registry, CPU_FP32, "reference")
+    assert explicit.chosen.name == "reference" and explicit.explicit
+
+
+def test_explicit_backend_that_cannot_run_lists_reasons_and_alternatives():
+    registry = _registry(
+        AttentionBackendSpec("reference", _Backend),
+        AttentionBackendSpec("fast", _Backend, priority=10),
+        AttentionBackendSpec("gpu_only", _Backend, devices=("cuda",), head_sizes=(128,)),
+    )
+    with pytest.raises(UnsupportedConfigurationError) as err:
+        select_attention_backend(registry, CPU_FP32, "gpu_only")
+    message = str(err.value)
+    assert "'gpu_only' cannot run" in message
+    assert "device 'cpu' not supported (supports cuda)" in message
+    assert "head size 64 not supported (supports [128])" in message
+    assert "Backends that would work: fast, reference." in message
+    with pytest.raises(UnknownImplementationError, match="registered: fast, gpu_only, reference"):
+        select_attention_backend(registry, CPU_FP32, "nonexistent")
+    with pytest.raises(UnsupportedConfigurationError, match="no attention backend can run.*gpu_only: device"):
+        select_attention_backend(_registry(AttentionBackendSpec("gpu_only", _Backend, devices=("cuda",))), CPU_FP32)
+
+
+def test_backend_selection_through_the_engine(root, llama_dir):
+    """A plugin's GPU-only backend is refused on CPU with reasons; a usable higher-priority
+    backend is chosen by auto and actually runs."""
+    module = pf.unique("fwtest_gpu_backend")
+    source = pf.plugin_source("""
+        @hookimpl
+        def fw_register_attention_backends(register):
+            register(AttentionBackendSpec("gpu_only", object, devices=("cuda",), priority=100))
+        """)
+    manager = builtin_manager(pf.make_distribution(root, "fw-gpu-backend", {module: source}, {"gpu": module}))
+    with pytest.raises(UnsupportedConfigurationError,
+                       match=r"'gpu_only' cannot run.*device 'cpu' not supported.*would work: sdpa\."):
+        small_llm(str(llama_dir), plugins=manager, attention_backend="gpu_only")
+    with pytest.raises(UnknownImplementationError, match="registered: gpu_only, sdpa"):
+        small_llm(str(llama_dir), plugins=manager, attention_backend="nonexistent")
+
+    sdpa = manager.registry("attention_backend").get("sdpa").backend_cls
+    calls = []
+
+    class CountingSdpa(sdpa):
+        def forward(self, *args, **kwargs):
+            calls.append(1)
+            return super().forward(*args, **kwargs)
+
+    manager.registry("attention_backend").add(
+        AttentionBackendSpec("counting", CountingSdpa, priority=5), "tests", "tests")
+    llm = small_llm(str(llama_dir), plugins=manager)
+    assert llm.engine.loaded.attention.chosen.name == "counting"
+    assert "gpu_only" in llm.engine.loaded.attention.rejected
+    tokens = llm.generate("hello", greedy(max_tokens=3))[0].outputs[0].token_ids
+    assert calls and len(tokens) == 3
+    reference = small_llm(str(llama_dir), plugins=manager, attention_backend="sdpa")
+    assert reference.generate("hello", greedy(max_tokens=3))[0].outputs[0].token_ids == tokens
+
+
+def test_cli_unknown_attention_backend(llama_dir, capsys):
+    from fw.cli.main import main
+
+    code = main(["generate", "--model", str(llama_dir), "--prompt", "hi", "--attention-backend", "nonexistent",
+                 "--num-kv-blocks", "32"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no attention backend named 'nonexistent'; registered: sdpa" in err
+
+
+# -- the dependency rule --------------------------------------------------------------------------
+
+
+def test_core_never_names_builtin_plugin_packages():
+    """The core knows hook specs and registries only; built-in plugins enter through entry points."""
+    core = Path(pf.REPO) / "core"
+    pattern = re.compile(r"fw\.(architectures|backends|quantizers)\b")
+    offenders = [
+        f"{path.relative_to(pf.REPO)}:{number}: {line.strip()}"
+        for path in sorted(core.rglob("*"))
+        if path.is_file() and path.suffix in (".py", ".pyi", ".txt", ".toml", ".cfg", ".json", ".yaml")
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1)
+        if pattern.search(line)
+    ]
+    assert not offenders, "core/ must not import built-in plugins by name:\n" + "\n".join(offenders)
+    assert (core / "__init__.py").is_file()  # the scan looked at the real core
+
+
+def test_public_plugin_api_is_what_the_example_plugin_imports():
+    """The example plugin is written as an outside author would: fw.plugins, fw.layers
+    and fw.sampling.batch only."""
+    allowed = {"fw.plugins", "fw.layers", "fw.sampling.batch"}
+    imported = set()
+    for path in (pf.EXAMPLE_PLUGIN_SRC / "fw_example_plugin").glob("*.py"):
+        imported |= set(re.findall(r"^\s*(?:from|import)\s+(fw(?:\.\w+)*)\b", path.read_text(), re.MULTILINE))
+    assert imported and imported <= allowed, imported
+    import fw.plugins
+
+    for name in ("hookimpl", "ArchitectureSpec", "SamplerSpec", "AttentionBackendSpec", "PLUGIN_API_VERSION"):
+        assert hasattr(fw.plugins, name)
+    assert SamplerSpec("x", object).role == "stage"
