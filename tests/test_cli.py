@@ -181,3 +181,16 @@ def test_build_parser_without_plugins_has_core_commands():
     assert set(commands) == {"generate", "plugins"}
     parser_with_plugins = build_parser(PluginManager(entry_points=pf.fw_entry_points()).load())
     assert set(parser_with_plugins._subparsers._group_actions[0].choices) == {"generate", "plugins"}
+
+
+def test_closed_pipe_is_not_a_traceback():
+    """`fw plugins list --json | head` ends quietly when the reader leaves first."""
+    import subprocess
+
+    from plugin_fixtures import fw_command
+
+    command = " ".join([*fw_command(), "plugins", "list", "--json"])
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; {command} | true"],
+                          capture_output=True, text=True, timeout=120)
+    assert "Error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 0

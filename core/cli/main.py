@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from fw.errors import FwError
@@ -23,9 +24,12 @@ def build_parser(plugins=None) -> argparse.ArgumentParser:
         module.configure(p)
         commands[module.NAME] = module.run
     if plugins is not None:
-        for spec in plugins.registry("cli_command"):
-            if spec.name in commands:
-                continue  # core commands keep their names
+        for reg in plugins.registry("cli_command").registrations():
+            spec = reg.spec
+            if spec.name in commands:  # core commands keep their names; say so rather than drop it
+                print(f"fw: warning: plugin {reg.plugin} ({reg.distribution}) registers the command "
+                      f"{spec.name!r}, which is fw's own; it is ignored", file=sys.stderr)
+                continue
             p = sub.add_parser(spec.name, help=spec.help, description=spec.help)
             spec.configure(p)
             commands[spec.name] = spec.run
@@ -61,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args._commands[args.command](args) or 0)
+        code = int(args._commands[args.command](args) or 0)
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `fw plugins list --json | head`: the reader left, nothing to report
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the recipe of Python's signal docs: no second error at exit
+        return 0
     except FwError as exc:
         print(f"fw: error: {exc}", file=sys.stderr)
         return 2

@@ -53,6 +53,7 @@ class PluginInfo:
     module: str
     api_version: str | None = None
     error: str | None = None
+    disabled: bool = False  # by FW_PLUGINS / FW_DISABLE_PLUGINS: listed, never imported
     warnings: list[str] = field(default_factory=list)
     provides: dict[str, list[str]] = field(default_factory=dict)
     overrides: dict[str, list[str]] = field(default_factory=dict)
@@ -64,7 +65,7 @@ class PluginInfo:
             "version": self.version,
             "module": self.module,
             "api_version": self.api_version,
-            "status": "error" if self.error else "loaded",
+            "status": "error" if self.error else "disabled" if self.disabled else "loaded",
             "error": self.error,
             "warnings": self.warnings,
             "provides": self.provides,
@@ -135,7 +136,7 @@ class PluginManager:
             eps = md.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
         for ep in sorted(eps, key=lambda e: (e.dist.name if e.dist else "", e.name)):
             self._load_entry_point(ep)
-        self._collect([n for n, p in self.plugins.items() if p.error is None])
+        self._collect([n for n, p in self.plugins.items() if p.error is None and not p.disabled])
         self.raise_if_strict()
         return self
 
@@ -149,6 +150,7 @@ class PluginManager:
         version = ep.dist.version if ep.dist is not None else "unknown"
         if not self._enabled(ep.name, dist):
             logger.info("plugin %s (%s) disabled by FW_PLUGINS/FW_DISABLE_PLUGINS", ep.name, dist)
+            self.plugins.setdefault(ep.name, PluginInfo(ep.name, dist, version, ep.value, disabled=True))
             return
         if ep.name in self.plugins:
             other = self.plugins[ep.name]
