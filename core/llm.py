@@ -50,7 +50,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(self._add(prompt, sp))
+        except Exception:
+            for request_id in ids:  # all or nothing: no prompt before the rejected one stays queued
+                self.engine.abort_request(request_id)
+            raise
         return self._run(ids)
 
     def chat(
@@ -82,7 +89,8 @@ class LLM:
                 for out in self.engine.step():
                     if out.request_id == request_id:
                         done = out.finished
-                        if out.outputs[0].text or out.outputs[0].token_ids or done:
+                        # Any sequence's news counts: with n > 1 the others go on after one stops.
+                        if done or any(c.text or c.token_ids for c in out.outputs):
                             yield out
         finally:
             if not done:

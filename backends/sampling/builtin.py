@@ -92,7 +92,8 @@ class TopP:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-        remove_sorted = before >= top_p
+        # Rows with top_p 1 are exempt: their cumulative mass can round to 1 before the tail.
+        remove_sorted = (before >= top_p) & (top_p < 1.0)
         remove_sorted[:, 0] = False  # always keep the most likely token
         remove = torch.zeros_like(remove_sorted).scatter_(1, order, remove_sorted)
         return logits.masked_fill(remove, NEG_INF)

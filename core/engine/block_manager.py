@@ -54,11 +54,15 @@ class BlockManager:
             parent = seq.block_hashes[i - 1] if i else None
             seq.block_hashes.append(hash((parent, tuple(seq.token_ids[i * p:(i + 1) * p]))))
 
+    def _uses_prefix_cache(self, seq: Sequence) -> bool:
+        # Prompt logprobs need the logits of every prompt position, so those prompts are computed.
+        return self.enable_prefix_caching and seq.params.prompt_logprobs is None
+
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached pages holding seq's leading tokens; return how many tokens they cover.
 
         At least one token is left to compute, so the step produces logits."""
-        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
+        if seq.block_table or not self._uses_prefix_cache(seq):
             return 0
         self._hash_blocks(seq, seq.num_tokens - 1)
         hits = []
@@ -78,6 +82,18 @@ class BlockManager:
         seq.num_computed_tokens = len(hits) * self.page_size
         seq.num_cached_tokens = seq.num_computed_tokens
         return seq.num_computed_tokens
+
+    def undo_match(self, seq: Sequence) -> None:
+        """Give back the pages `match_prefix` attached to a sequence that was not admitted after all.
+
+        Waiting sequences must hold no pages: pinned there, they can starve the running
+        sequences, or each other, of a cache they would fit in. The lookup is not counted;
+        it is repeated, and counted, when the sequence is admitted."""
+        if self._uses_prefix_cache(seq):
+            self.stats.queried_tokens -= seq.num_tokens
+            self.stats.hit_tokens -= seq.num_cached_tokens
+        self.release(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Publish the pages seq has fully computed so other sequences can reuse them."""

@@ -23,18 +23,21 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self._hold = max((len(s) for s in stop), default=1) - 1
 
-    def add_token(self, token_id: int) -> str | None:
-        """Decode one token; return the stop string it completed, if any (text is then truncated)."""
+    def add_token(self, token_id: int, find_stop: bool = True) -> str | None:
+        """Decode one token; return the stop string it completed, if any (text is then truncated).
+
+        With find_stop False (before min_tokens) stop strings are not looked for and the text
+        stays whole; a stop string completed then does not count later either."""
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return None
-        start = max(0, len(self.text) - self._hold)
+        old_len = len(self.text)
         self.text += piece
-        if not self.stop:
+        if not self.stop or not find_stop:
             return None
         best = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = self.text.find(s, max(0, old_len - len(s) + 1))  # occurrences that end in `piece`
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

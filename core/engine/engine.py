@@ -7,6 +7,7 @@ rules and returns an output for every request that progressed.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -93,8 +94,10 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         ids = [int(t) for t in prompt_token_ids]
         self._validate_prompt(ids, params)
+        self._validate_token_params(params)
         if params.max_tokens is None:
-            params.max_tokens = self.max_length - len(ids)
+            # A copy: the caller's params may be shared by prompts of other lengths.
+            params = dataclasses.replace(params, max_tokens=self.max_length - len(ids))
         req = Request(request_id, prompt, ids, params, delta=delta)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -134,6 +137,15 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the request needs up to {total} tokens of KV cache but the whole cache holds {capacity}; "
                 f"lower max_tokens or start the engine with a larger --kv-cache-memory", param="max_tokens")
+
+    def _validate_token_params(self, params: SamplingParams) -> None:
+        """Token ids in sampling params must be in the vocabulary: the sampler stages index logits
+        with them (an unknown stop token would crash a step in the min_tokens stage)."""
+        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name}: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param=name)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its final output (finish_reason "abort")."""
@@ -187,7 +199,8 @@ class LLMEngine:
         req = seq.request
         logprobs = torch.log_softmax(logits, dim=-1)
         top = seq.params.prompt_logprobs
-        for r in range(logprobs.shape[0]):
+        # A sequence preempted mid-prefill recomputes its prompt from the start: skip positions it has.
+        for r in range(max(0, len(req.prompt_logprobs) - first), logprobs.shape[0]):
             req.prompt_logprobs.append(token_logprobs(logprobs[r], seq.token_ids[first + r], top))
         if first + logprobs.shape[0] >= seq.num_prompt_tokens:
             req.prompt_logprobs_done = True
@@ -200,13 +213,12 @@ class LLMEngine:
             self._decode_logprob_tokens([logprobs])
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token].logprob
-        stop_str = seq.detokenizer.add_token(token)
         n_out = seq.num_output_tokens
-        if n_out < p.min_tokens:
-            stop_str = None
-        elif token in self.loaded.eos_token_ids and not p.ignore_eos:
+        can_stop = n_out >= p.min_tokens
+        stop_str = seq.detokenizer.add_token(token, find_stop=can_stop)
+        if can_stop and token in self.loaded.eos_token_ids and not p.ignore_eos:
             return self._finish(seq, "stop")
-        elif token in p.stop_token_ids:
+        if can_stop and token in p.stop_token_ids:
             return self._finish(seq, "stop", token)
         if stop_str is not None:
             return self._finish(seq, "stop", stop_str)

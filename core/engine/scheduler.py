@@ -67,10 +67,10 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if not seq.block_table:
-                self.blocks.match_prefix(seq)
+            self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, self.chunk_size, budget)
             if not self.blocks.allocate(seq, n):
+                self.blocks.undo_match(seq)
                 if not self.running and not batch.seqs:
                     # Nothing else holds pages: this sequence can never fit.
                     raise RuntimeError(

@@ -33,7 +33,10 @@ class SamplerPipeline:
         self.choice_name = choice
         self.chooser = choices[choice].factory()
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        # Inference mode like the forward pass that made `logits`: stages may edit them in place,
+        # which torch forbids on inference tensors outside it.
         want_logprobs = [p.logprobs is not None for p in batch.params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         for stage in self.stages:
