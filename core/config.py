@@ -37,7 +37,7 @@ class EngineConfig:
         "Weight and activation dtype. auto: the checkpoint's dtype (float16 becomes bfloat16 on CPU; GGUF: float32).",
         choices=("auto", "float32", "bfloat16", "float16")))
     device: str = field(default="auto", metadata=_opt("cpu, cuda, cuda:N, or auto (cuda when available)."))
-    seed: int = field(default=0, metadata=_opt("Seed for requests that set none."))
+    seed: int = field(default=0, metadata=_opt("Seeds torch's global generator at start-up; requests without a seed draw from it."))
     max_length: int | None = field(default=None, metadata=_opt(
         "Longest sequence (prompt + output) served; default: the model's context length."))
     attention_backend: str = field(default="auto", metadata=_opt(

@@ -175,6 +175,29 @@ def test_plugin_subcommand_and_extra_options(root, capsys):
     assert rows["cli_plugin"]["provides"] == {"cli_command": ["hello", "generate"]}
 
 
+def test_plugin_command_that_cannot_configure_does_not_break_fw(root, capsys):
+    module = pf.unique("fwtest_bad_cli")
+    source = pf.plugin_source("""
+        def configure(parser):
+            raise RuntimeError("my options are broken")
+
+        @hookimpl
+        def fw_register_cli_commands(register):
+            register(CliCommandSpec("broken", "Never works.", configure, lambda args: 0))
+
+        @hookimpl
+        def fw_add_cli_arguments(command, parser):
+            raise RuntimeError("cannot add options")
+        """, imports="from fw.plugins import CliCommandSpec\n")
+    pf.make_distribution(root, "fw-bad-cli", {module: source}, {"bad_cli": module})
+    assert main(["plugins", "list", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "bad_cli" in captured.out and "failed to add options" in captured.err
+    reset_plugin_manager()
+    assert main(["broken"]) == 2
+    assert "my options are broken" in capsys.readouterr().err
+
+
 def test_build_parser_without_plugins_has_core_commands():
     parser = build_parser(None)
     commands = parser._subparsers._group_actions[0].choices

@@ -252,6 +252,29 @@ def test_plugin_whose_hook_raises_is_reported(root):
     assert "default" in manager.registry("sampler")
 
 
+def test_plugin_failing_half_way_registers_nothing(root):
+    """All or nothing: what a plugin registered before its hook raised is withdrawn."""
+    module = pf.unique("fwtest_half_way")
+    source = pf.plugin_source("""
+        class Stage:
+            def is_active(self, params):
+                return True
+
+            def apply(self, logits, batch):
+                return logits * 0
+
+        @hookimpl
+        def fw_register_samplers(register):
+            register(SamplerSpec("half_way_stage", Stage, order=5))
+            raise ValueError("the second sampler is broken")
+        """, imports="from fw.plugins import SamplerSpec\n")
+    root = pf.make_distribution(root, "fw-half-way", {module: source}, {"half_way": module})
+    manager = builtin_manager(root)
+    assert "the second sampler is broken" in manager.plugins["half_way"].error
+    assert "half_way_stage" not in manager.registry("sampler")
+    assert manager.plugins["half_way"].provides == {}
+
+
 # -- name conflicts and overrides -------------------------------------------------------------------
 
 
@@ -319,23 +342,30 @@ def test_allow_and_block_lists(example_site, monkeypatch, capsys):
 
     monkeypatch.syspath_prepend(str(example_site))
 
-    def listed() -> dict[str, dict]:
+    rows: dict[str, dict] = {}
+
+    def listed() -> set[str]:
+        """The loaded plugins; disabled ones stay listed, as such."""
         reset_plugin_manager()
         assert main(["plugins", "list", "--json"]) == 0
-        return {r["name"]: r for r in json.loads(capsys.readouterr().out)["plugins"]}
+        rows.clear()
+        rows.update({r["name"]: r for r in json.loads(capsys.readouterr().out)["plugins"]})
+        assert all(r["provides"] == {} for r in rows.values() if r["status"] == "disabled")
+        return {name for name, r in rows.items() if r["status"] == "loaded"}
 
-    assert {"llama", "sdpa", "samplers", "example"} <= set(listed())
+    assert {"llama", "sdpa", "samplers", "example"} <= listed()
     monkeypatch.setenv("FW_DISABLE_PLUGINS", "example")
-    assert set(listed()) == {"llama", "sdpa", "samplers"}
+    assert listed() == {"llama", "sdpa", "samplers"}
+    assert rows["example"]["status"] == "disabled" and rows["example"]["distribution"] == "fw-example-plugin"
     monkeypatch.setenv("FW_DISABLE_PLUGINS", "fw-example-plugin, sdpa")  # distribution names work too
-    assert set(listed()) == {"llama", "samplers"}
+    assert listed() == {"llama", "samplers"}
     monkeypatch.delenv("FW_DISABLE_PLUGINS")
     monkeypatch.setenv("FW_PLUGINS", "example,samplers")
-    assert set(listed()) == {"example", "samplers"}
+    assert listed() == {"example", "samplers"}
     monkeypatch.setenv("FW_PLUGINS", "fw")  # a distribution: all of its plugins
-    assert set(listed()) == {"llama", "sdpa", "samplers"}
+    assert listed() == {"llama", "sdpa", "samplers"}
     monkeypatch.setenv("FW_DISABLE_PLUGINS", "llama")  # the block-list wins over the allow-list
-    assert set(listed()) == {"sdpa", "samplers"}
+    assert listed() == {"sdpa", "samplers"}
 
 
 # -- plugin API version -----------------------------------------------------------------------------
@@ -433,6 +463,18 @@ def test_custom_architecture_under_its_own_name_is_used(tmp_path, llama_dir):
     llm = small_llm(str(llama_dir), plugins=builtin_manager(), custom_architectures=[f"{tmp_path}:{module}"])
     assert llm.engine.loaded.architecture.name == "forced-llama"
     assert llm.generate("one two", greedy(max_tokens=3))[0].outputs[0].token_ids == [token] * 3
+
+
+def test_custom_architectures_stay_with_their_engine(tmp_path, llama_dir):
+    """An engine started with --custom-architectures must not change what later engines load."""
+    token, _ = forced_token(llama_dir)
+    module = custom_module(tmp_path, "llama", token)
+    reset_plugin_manager()
+    custom = small_llm(str(llama_dir), custom_architectures=[f"{tmp_path}:{module}"])
+    assert custom.generate("one two", greedy(max_tokens=3))[0].outputs[0].token_ids == [token] * 3
+    plain = small_llm(str(llama_dir))
+    assert plain.engine.loaded.architecture.build is not custom.engine.loaded.architecture.build
+    assert plain.generate("one two", greedy(max_tokens=3))[0].outputs[0].token_ids != [token] * 3
 
 
 def test_custom_architectures_from_the_cli(tmp_path, llama_dir, capsys):

@@ -31,12 +31,29 @@ def build_parser(plugins=None) -> argparse.ArgumentParser:
                       f"{spec.name!r}, which is fw's own; it is ignored", file=sys.stderr)
                 continue
             p = sub.add_parser(spec.name, help=spec.help, description=spec.help)
-            spec.configure(p)
-            commands[spec.name] = spec.run
-        for name, p in sub.choices.items():
-            plugins.pm.hook.fw_add_cli_arguments(command=name, parser=p)
+            try:
+                spec.configure(p)
+                commands[spec.name] = spec.run
+            except Exception as exc:  # one broken plugin must not take the whole CLI down
+                commands[spec.name] = _broken_command(reg, exc)
+        for impl in plugins.pm.hook.fw_add_cli_arguments.get_hookimpls():
+            for name, p in sub.choices.items():
+                try:
+                    impl.function(command=name, parser=p)
+                except Exception as exc:
+                    print(f"fw: warning: plugin {impl.plugin_name} failed to add options to {name!r} "
+                          f"({type(exc).__name__}: {exc}); they are missing", file=sys.stderr)
     parser.set_defaults(_commands=commands)
     return parser
+
+
+def _broken_command(reg, exc: Exception):
+    def run(args) -> int:
+        print(f"fw: error: command {reg.spec.name!r} from plugin {reg.plugin} ({reg.distribution}) "
+              f"could not set up its options: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+    return run
 
 
 def _strict_flag(argv: list[str]) -> bool | None:

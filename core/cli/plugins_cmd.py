@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"plugins": rows}, indent=2))
     else:
         print(format_table(rows))
-    return 1 if args.strict_plugins and manager.failures() else 0
+    return 0  # with --strict-plugins, `fw` has already exited non-zero if any plugin failed
 
 
 def format_table(rows: list[dict]) -> str:
@@ -45,7 +45,7 @@ def format_table(rows: list[dict]) -> str:
         provides = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in r["provides"].items() if names)
         if r["overrides"]:
             provides += " (overrides " + "; ".join(x for v in r["overrides"].values() for x in v) + ")"
-        status = "error: " + r["error"] if r["error"] else "loaded"
+        status = "error: " + r["error"] if r["error"] else r["status"]
         lines.append((r["name"], r["distribution"], r["version"], r["api_version"] or "-", status, provides or "-"))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header) - 1)]
     return "\n".join(

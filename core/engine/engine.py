@@ -21,7 +21,7 @@ from fw.engine.model_runner import ModelRunner
 from fw.engine.outputs import CompletionOutput, RequestOutput
 from fw.engine.request import Request, Sequence
 from fw.engine.scheduler import Scheduler
-from fw.errors import InvalidRequestError, PromptTooLongError
+from fw.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from fw.model_loader.loader import load_model
 from fw.plugins.manager import PluginManager, get_plugin_manager
 from fw.sampling.batch import SamplingBatch
@@ -37,7 +37,11 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.plugins = plugins or get_plugin_manager()
+        if plugins is None:
+            # Custom architectures go into a manager of this engine's own, so they do not
+            # leak into later engines of the same process through the shared one.
+            plugins = PluginManager().load() if config.custom_architectures else get_plugin_manager()
+        self.plugins = plugins
         if config.strict_plugins:
             self.plugins.strict = True
             self.plugins.raise_if_strict()
@@ -59,14 +63,29 @@ class LLMEngine:
         logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_blocks, page, num_blocks * page)
 
     def _num_blocks_from_budget(self, page: int) -> int:
-        per_block = ModelRunner.kv_bytes_per_block(self.loaded.model, page, self.loaded.dtype)
-        device = self.loaded.device
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = free - total * (1.0 - self.config.device_memory_utilization)
-        else:
+        loaded = self.loaded
+        per_block = ModelRunner.kv_bytes_per_block(loaded.model, loaded.attention.chosen.backend_cls, page,
+                                                   loaded.dtype)
+        if loaded.device.type != "cuda":
             budget = parse_size(self.config.kv_cache_memory)
-        return max(1, int(budget // per_block))
+            flag = "--kv-cache-memory"
+        else:
+            free, total = torch.cuda.mem_get_info(loaded.device)
+            # What fw may use, minus what is in use (weights), minus room for one step's activations.
+            budget = total * self.config.device_memory_utilization - (total - free) - self._activation_reserve()
+            flag = "--device-memory-utilization"
+        if budget < per_block:
+            raise ConfigError(
+                f"no room for the KV cache: one page of {page} tokens needs {per_block} bytes but the budget is "
+                f"{max(0, int(budget))} bytes; raise {flag} or use a smaller model/dtype")
+        return int(budget // per_block)
+
+    def _activation_reserve(self) -> int:
+        """A generous bound on one step's temporaries: hidden/MLP activations and sampled logits."""
+        cfg, size = self.loaded.hf_config, torch.tensor([], dtype=self.loaded.dtype).element_size()
+        inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+        tokens = self.config.max_batch_input_tokens
+        return tokens * (6 * cfg.hidden_size + 3 * inter) * size + self.config.max_batch_size * cfg.vocab_size * 12
 
     # -- requests ------------------------------------------------------------------------
 

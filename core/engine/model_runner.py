@@ -3,6 +3,7 @@ the forward pass, and returns the logits the sampler and prompt logprobs need.""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,10 @@ class ModelRunner:
             self.kv_caches.append(layer.kv_cache)
 
     @staticmethod
-    def kv_bytes_per_block(model: nn.Module, page_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(model: nn.Module, backend: type, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes one page costs over all layers, in the backend's own cache layout."""
         size = torch.tensor([], dtype=dtype).element_size()
-        return sum(2 * page_size * m.num_kv_heads * m.head_dim * size
+        return sum(math.prod(backend.kv_cache_shape(1, page_size, m.num_kv_heads, m.head_dim)) * size
                    for m in model.modules() if isinstance(m, Attention))
 
     @torch.inference_mode()

@@ -129,7 +129,7 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     name = None if cfg.attention_backend == "auto" else cfg.attention_backend
     attention = select_attention_backend(plugins.registry("attention_backend"), req, name)
 
-    quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins)
+    quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins, device)
     ctx = ModelContext(dtype=dtype, device=device, attention_backend=attention.chosen.backend_cls,
                        linear_method=linear_method)
     with torch.device("cpu"):
@@ -152,7 +152,8 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
                        eos_ids(hf_config, tokenizer, source))
 
 
-def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins: PluginManager):
+def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins: PluginManager,
+                  device: torch.device):
     registry = plugins.registry("quantization_method")
     qcfg = getattr(hf_config, "quantization_config", None)
     if qcfg is not None and not isinstance(qcfg, dict):
@@ -169,6 +170,13 @@ def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins:
     if name is None:
         return None, None
     spec = registry.get(name)
+    reasons = [] if device.type in spec.devices else [f"device {device.type!r} not supported "
+                                                      f"(supports {', '.join(spec.devices)})"]
+    why = spec.available() if spec.available is not None else None
+    if why:
+        reasons.append(why)
+    if reasons:
+        raise UnsupportedConfigurationError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
     if arch.supported_quantization and name not in arch.supported_quantization:
         raise UnsupportedConfigurationError(
             f"architecture {arch.name} does not support quantization {name!r}; it supports "

@@ -53,5 +53,5 @@ def _download(repo_id: str, revision: str | None) -> Path:
     except Exception as exc:
         raise ModelLoadError(
             f"{repo_id}: not found locally and could not be downloaded ({type(exc).__name__}: {exc}). "
-            f"Check the id and --revision, or download it first with `fw warm-cache --model {repo_id}`."
+            f"Check the id and --revision, or download it first with `hf download {repo_id}`."
         ) from None

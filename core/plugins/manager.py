@@ -202,6 +202,11 @@ class PluginManager:
                 except Exception as exc:
                     info.error = f"{hook_name} raised {type(exc).__name__}: {exc}"
                     logger.warning("plugin %s from %s failed: %s", name, info.distribution, info.error)
+                    # All or nothing: a half-registered plugin must not serve requests.
+                    for registry in self.registries.values():
+                        registry.remove_plugin(name)
+                    info.provides.clear()
+                    info.overrides.clear()
 
     def _register_spec(self, kind: str, info: PluginInfo, spec: Any, override: bool = False) -> None:
         spec_kind = getattr(spec, "kind", None)
@@ -279,9 +284,10 @@ def import_custom_module(ref: str):
             path = Path(ref).resolve()
             if not path.is_file():
                 raise ConfigError(f"--custom-architectures {ref}: no such file")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
+            name = f"fw_custom_{path.stem}"  # never shadows an installed module of the file's name
+            spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(spec)
-            sys.modules[path.stem] = module
+            sys.modules[name] = module
             spec.loader.exec_module(module)
             return module
         return importlib.import_module(ref)

@@ -61,6 +61,13 @@ class Registry(Generic[T]):
         self._entries[name] = Registration(spec, plugin, distribution, overrides, override)
         return self._entries[name]
 
+    def remove_plugin(self, plugin: str) -> list[str]:
+        """Drop everything `plugin` registered (it failed half-way); returns the names dropped."""
+        names = [n for n, r in self._entries.items() if r.plugin == plugin]
+        for name in names:
+            del self._entries[name]
+        return names
+
     def get(self, name: str) -> T:
         try:
             return self._entries[name].spec

@@ -15,7 +15,7 @@ KINDS = ("architecture", "attention_backend", "quantization_method", "sampler", 
 
 @dataclass(frozen=True)
 class ArchitectureSpec:
-    """A model family. `build(hf_config, ctx)` returns an `nn.Module` with
+    """A model family. `build(hf_config, ctx, max_positions)` returns an `nn.Module` with
     ``forward(input_ids, positions, attn_meta) -> hidden``, ``compute_logits(hidden)``
     and ``load_weights(iterable of (name, tensor))``."""
 

@@ -38,7 +38,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
