@@ -141,9 +141,11 @@ def build(cfg, ctx: ModelContext, max_positions: int | None = None) -> LlamaForC
 def fw_register_architectures(register) -> None:
     register(ArchitectureSpec(
         name="llama",
-        hf_architectures=("LlamaForCausalLM",),
+        # Mistral is Llama plus a sliding window; its config states the window, and a
+        # backend that cannot apply it rejects the model with that reason.
+        hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
         gguf_architectures=("llama",),
         build=build,
         gguf_weight_transform=unpermute_gguf_qk,
-        description="Llama 2/3.x, SmolLM/SmolLM2, TinyLlama",
+        description="Llama 2/3.x, SmolLM/SmolLM2, TinyLlama, Mistral without sliding window",
     ))
