@@ -34,6 +34,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def isolated_plugins(monkeypatch):
+    """No FW_* variable from the caller's shell, and a fresh process-wide plugin manager."""
+    from fw.plugins.manager import reset_plugin_manager
+
+    for key in list(os.environ):
+        if key.startswith("FW_"):
+            monkeypatch.delenv(key)
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_models.build_tokenizer()

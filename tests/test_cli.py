@@ -5,7 +5,6 @@ user can cause reported as one line and a non-zero exit code."""
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
@@ -19,14 +18,7 @@ from fw.version import PLUGIN_API_VERSION, __version__
 SMALL_KV = ["--num-kv-blocks", "32"]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("FW_"):
-            monkeypatch.delenv(key)
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("isolated_plugins")
 
 
 @pytest.fixture(scope="module")

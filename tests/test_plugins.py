@@ -6,7 +6,6 @@ architectures, attention-backend selection, and the example third-party plugin
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import textwrap
@@ -31,15 +30,7 @@ from fw.plugins.selection import select_attention_backend
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    """No FW_* variable from the caller's shell, and a fresh process-wide plugin manager."""
-    for key in list(os.environ):
-        if key.startswith("FW_"):
-            monkeypatch.delenv(key)
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("isolated_plugins")
 
 
 @pytest.fixture

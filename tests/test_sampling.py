@@ -4,7 +4,7 @@ transformers), logit bias, stop conditions, n, logprobs and parameter validation
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
