@@ -47,6 +47,13 @@ def isolated_plugins(monkeypatch):
     reset_plugin_manager()
 
 
+@pytest.fixture
+def root(tmp_path, monkeypatch) -> Path:
+    """A directory on sys.path for fake plugin distributions (as site-packages would be)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_models.build_tokenizer()

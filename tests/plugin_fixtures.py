@@ -205,3 +205,27 @@ def plugins_json(proc: subprocess.CompletedProcess) -> dict[str, dict]:
     """`fw plugins list --json` output as {plugin name: row}."""
     assert proc.returncode == 0, proc.stderr
     return {row["name"]: row for row in json.loads(proc.stdout)["plugins"]}
+
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def small_llm(model: str, **options):
+    """An LLM with a small KV cache (the 1 GiB default costs a second to allocate)."""
+    from fw import LLM
+
+    return LLM(model, **{"num_kv_blocks": 32, **options})
+
+
+def greedy(**kwargs):
+    """Greedy sampling parameters, EOS ignored, overridable."""
+    from fw import SamplingParams
+
+    return SamplingParams(**{**GREEDY, **kwargs})
+
+
+def builtin_manager(*roots: Path, **kwargs):
+    """A plugin manager over fw's own entry points plus fake distributions under `roots`."""
+    from fw.plugins.manager import PluginManager
+
+    return PluginManager(entry_points=fw_entry_points(*roots), **kwargs).load()

@@ -26,13 +26,6 @@ def llama_dir(tmp_path_factory):
     return pf.tiny_llama(tmp_path_factory.getbasetemp())
 
 
-@pytest.fixture
-def root(tmp_path, monkeypatch):
-    """A directory on sys.path for fake plugin distributions."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
-
-
 def listed(capsys, *args: str) -> dict[str, dict]:
     reset_plugin_manager()
     assert main(["plugins", "list", "--json", *args]) == 0
