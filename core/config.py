@@ -160,9 +160,10 @@ def _coerce(name: str, tp: Any, value: Any, source: str | None = None) -> Any:
             f"{source or flag_name(name)}: cannot read {value!r} as {getattr(tp, '__name__', tp)}") from None
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConfig,
+                         title: str = "engine options") -> None:
     """Add one flag per field. Defaults are left as None so that precedence can be resolved later."""
-    group = parser.add_argument_group("engine options (also FW_<NAME> env vars and --config YAML keys)")
+    group = parser.add_argument_group(f"{title} (also FW_<NAME> env vars and --config YAML keys)")
     for f, tp in _fields(cls):
         meta = dict(f.metadata)
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": meta.get("help", "")}
@@ -199,20 +200,27 @@ def resolve_config(
     config_file: str | None = None,
     environ: dict[str, str] | None = None,
     cls: type = EngineConfig,
+    shares_file_with: tuple[type, ...] = (),
     **overrides: Any,
 ):
     """Build `cls` from defaults, YAML, environment and CLI values (CLI wins).
 
     `cli` holds parsed argparse values (None meaning "not given"); `overrides`
-    are library keyword arguments, treated like CLI values."""
+    are library keyword arguments, treated like CLI values. `shares_file_with`
+    names the other config classes whose keys may appear in the same YAML file
+    (`fw serve` reads engine and server options from one file)."""
     environ = os.environ if environ is None else environ
     fields = {f.name: tp for f, tp in _fields(cls)}
+    others = {f.name for other in shares_file_with for f in dataclasses.fields(other)}
     values: dict[str, Any] = {}
     config_file = config_file or environ.get("FW_CONFIG")
     if config_file:
         for key, value in load_yaml_options(config_file).items():
+            if key in others and key not in fields:
+                continue
             if key not in fields:
-                raise ConfigError(f"--config {config_file}: unknown option {key!r}; known: {', '.join(sorted(fields))}")
+                known = ", ".join(sorted(set(fields) | others))
+                raise ConfigError(f"--config {config_file}: unknown option {key!r}; known: {known}")
             values[key] = _coerce(key, fields[key], value, f"--config {config_file}: {key}")
     for name, tp in fields.items():
         if env_name(name) in environ:

@@ -1,0 +1,99 @@
+"""`fw serve`: the OpenAI-compatible server (FastAPI + uvicorn) over one engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from fw.config import EngineConfig, add_config_arguments, resolve_config
+
+NAME = "serve"
+HELP = "Serve a model over an OpenAI-compatible HTTP API."
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from fw.server.config import ServerConfig
+
+    add_config_arguments(p, ServerConfig, title="server options")
+    add_config_arguments(p)
+
+
+def served_names(config, model_arg: str | None, source_path: Path) -> list[str]:
+    """--served-model-name values, else a readable default: a hub id as given, a local
+    directory's or .gguf file's name (without .gguf)."""
+    if config.served_model_name:
+        return list(dict.fromkeys(config.served_model_name))
+    if model_arg is None or Path(model_arg).expanduser().exists():
+        return [source_path.name.removesuffix(".gguf")]
+    return [model_arg]
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from fw.default_model import default_model
+    from fw.engine.engine import LLMEngine
+    from fw.server.app import build_app
+    from fw.server.async_engine import AsyncEngine
+    from fw.server.config import ServerConfig
+    from fw.server.metrics import ServerMetrics
+    from fw.server.state import ServerState
+
+    engine_config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))
+    server_config = resolve_config(cli=vars(args), config_file=args.config, cls=ServerConfig,
+                                   shares_file_with=(EngineConfig,))
+    _configure_logging(server_config.json_logs, args.log_level)
+    model_arg = engine_config.model
+    if engine_config.model is None:
+        engine_config.model = default_model()
+    print(f"fw: loading {engine_config.model} ...", file=sys.stderr, flush=True)
+    engine = LLMEngine(engine_config)
+    names = served_names(server_config, model_arg, engine.loaded.source.path)
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(names[0], engine.loaded.attention.chosen.name, lambda: async_engine.stats)
+    state = ServerState(async_engine, server_config, names, metrics)
+
+    async def on_shutdown() -> None:
+        await async_engine.drain(server_config.shutdown_timeout)
+
+    app = build_app(state, on_shutdown)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_config=None,
+                            timeout_graceful_shutdown=max(1, int(server_config.shutdown_timeout)),
+                            access_log=server_config.log_requests)
+    server = uvicorn.Server(config)
+    _announce_when_ready(server, server_config, names[0])
+    server.run()
+    return 0
+
+
+def _announce_when_ready(server, config, name: str) -> None:
+    """Print where to reach the server, with a ready-to-paste curl line, once it listens."""
+    original = server.startup
+
+    async def startup(sockets=None) -> None:
+        await original(sockets=sockets)
+        if server.started:
+            host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+            port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
+            auth = f" -H 'Authorization: Bearer {config.api_key}'" if config.api_key else ""
+            print(f"fw: serving {name} at http://{host}:{port}/v1 (OpenAI API)\n"
+                  f"curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+                  f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                  f"\"What is the capital of France?\"}}]}}'", flush=True)
+
+    server.startup = startup
+
+
+def _configure_logging(json_logs: bool, level: str) -> None:
+    from fw.server.app import JsonLogFormatter
+
+    handler = logging.StreamHandler()
+    if json_logs:
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper() if level.upper() != "WARNING" else "INFO")

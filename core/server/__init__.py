@@ -1,0 +1,1 @@
+"""`fw serve`: the OpenAI-compatible HTTP server over one engine."""

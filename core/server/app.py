@@ -1,0 +1,108 @@
+"""The FastAPI application: routes, OpenAI-style errors, auth, payload limit."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fw.errors import FwError
+from fw.server import routes_chat, routes_completions, routes_misc
+from fw.server.protocol import error_body
+from fw.server.state import ServerState
+from fw.version import __version__
+
+logger = logging.getLogger("fw.server")
+
+
+def _error(state: ServerState | None, status: int, message: str, error_type: str,
+           param: str | None = None) -> JSONResponse:
+    if state is not None:
+        state.metrics.error(status)
+    return JSONResponse(error_body(message, error_type, status, param), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """Pydantic's errors as one readable sentence, and the first offending field."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        yield
+        state.draining = True
+        if on_shutdown is not None:
+            await on_shutdown()
+
+    app = FastAPI(title="fw", version=__version__, lifespan=lifespan)
+    app.state.fw = state
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.config.payload_limit:
+            return _error(state, 413, f"the request body has {length} bytes, more than the "
+                          f"{state.config.payload_limit} allowed (--payload-limit)", "invalid_request_error")
+        if state.config.api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {state.config.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return _error(state, 401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                              "authentication_error")
+        if state.config.log_requests and request.method == "POST":
+            logger.info("%s %s from %s", request.method, request.url.path,
+                        request.client.host if request.client else "?")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _error(state, 400, message, "invalid_request_error", param)
+
+    @app.exception_handler(FwError)
+    async def on_fw_error(request: Request, exc: FwError):
+        if exc.status_code >= 500:
+            logger.error("request failed: %s", exc)
+        return _error(state, exc.status_code, str(exc), exc.error_type, getattr(exc, "param", None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(state, exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error(state, 500, "internal server error; see the server log", "internal_error")
+
+    app.include_router(routes_completions.router)
+    app.include_router(routes_chat.router)
+    app.include_router(routes_misc.router)
+    return app
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers (--json-logs)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                 "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)

@@ -1,0 +1,200 @@
+"""The engine on a background thread, driven from asyncio.
+
+`LLMEngine` is synchronous and not thread-safe, so only the engine thread
+touches it: request handlers send commands (add, abort, read stats) through
+a queue and await their results; outputs flow back into per-request asyncio
+queues. One request's failure (bad input, an abort) never disturbs another;
+an engine fault fails the requests in flight, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fw.engine.engine import LLMEngine
+from fw.engine.outputs import RequestOutput
+from fw.errors import FwError
+from fw.sampling.params import SamplingParams
+
+logger = logging.getLogger("fw.server")
+
+
+class EngineFaultError(FwError):
+    """The engine raised while running a step; the requests in it are failed."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput], float], None] | None = None):
+        self.engine = engine
+        self._on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fw-engine", daemon=True)
+        self.stats: dict[str, Any] = engine.stats()  # refreshed by the engine thread after each step
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (bounded) for requests in flight to finish, then abort the rest and stop."""
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort_nowait(request_id)
+        self._stop.set()
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams,
+        request_id: str,
+    ) -> "RequestStream":
+        """Queue a request; validation errors are raised here, before any output is promised."""
+        stream = _Stream(asyncio.get_running_loop())
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, prompt_token_ids, params, delta=True)
+            self._streams[request_id] = stream
+
+        await self._call(add)
+        return RequestStream(self, request_id, stream)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort without awaiting: safe from `finally` blocks of cancelled tasks (disconnects)."""
+
+        def abort() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+
+        self._commands.put((abort, concurrent.futures.Future()))
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._call(lambda: self.engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread and await its result (or exception)."""
+        if not self.alive:
+            raise EngineFaultError("the engine is not running (shutting down, or it failed at start)")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=1.0)
+                continue
+            started = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # keep serving: fail only the requests that were in the step
+                logger.exception("engine step failed; failing %d request(s) in flight", len(self._streams))
+                self._fail_all(EngineFaultError(f"the engine failed while running this request ({type(exc).__name__})"))
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.push(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+            self.stats = self.engine.stats()
+            if self._on_step is not None:
+                self._on_step(outputs, time.monotonic() - started)
+        self._drain_commands()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _fail_all(self, error: FwError) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s failed after an engine fault", request_id)
+            stream.push(error)
+        self._streams.clear()
+
+
+class RequestStream:
+    """One request's delta outputs. Closing it before the end aborts the request and frees its pages."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._stream.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort_nowait(self.request_id)

@@ -1,0 +1,71 @@
+"""Prometheus metrics, in a registry of the server's own, labelled with the
+model and attention backend. Engine state (running/waiting, KV usage, prefix
+hits, preemptions) is read at scrape time from the engine thread's snapshot."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0, 160.0)
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict], labels: dict[str, str]):
+        self._stats = stats
+        self._labels = labels
+
+    def collect(self):
+        s = self._stats()
+        names, values = list(self._labels), list(self._labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        yield gauge("fw_num_requests_running", "Sequences in the running batch.", s["num_running"])
+        yield gauge("fw_num_requests_waiting", "Sequences waiting for the engine.", s["num_waiting"])
+        yield gauge("fw_kv_cache_usage_ratio", "Fraction of KV-cache pages in use.", s["kv_cache_usage"])
+        queried = s["prefix_cache_queried_tokens"]
+        yield gauge("fw_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up.",
+                    s["prefix_cache_hit_tokens"] / queried if queried else 0.0)
+        c = CounterMetricFamily("fw_num_preemptions", "Sequences preempted (recomputed later).", labels=names)
+        c.add_metric(values, s["num_preemptions"])
+        yield c
+
+
+class ServerMetrics:
+    def __init__(self, model: str, attention_backend: str, engine_stats: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model, "attention_backend": attention_backend}
+        self.labels = labels
+        names = list(labels)
+        r = self.registry
+        self.requests = Counter("fw_request_success", "Finished requests by finish reason.",
+                                [*names, "finished_reason"], registry=r)
+        self.errors = Counter("fw_request_errors", "Requests answered with an error, by HTTP status.",
+                              [*names, "status"], registry=r)
+        self.prompt_tokens = Counter("fw_prompt_tokens", "Prompt tokens of finished requests.", names, registry=r)
+        self.generation_tokens = Counter("fw_generation_tokens", "Generated tokens.", names, registry=r)
+        self.ttft = Histogram("fw_time_to_first_token_seconds", "Time to first token.", names,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("fw_inter_token_latency_seconds", "Time between output tokens.", names,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("fw_e2e_request_latency_seconds", "Request latency, arrival to last token.", names,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine_stats, labels))
+
+    def request_finished(self, finish_reasons: list[str | None], prompt_tokens: int, generated: int,
+                         e2e: float) -> None:
+        for reason in finish_reasons:
+            self.requests.labels(**self.labels, finished_reason=reason or "abort").inc()
+        self.prompt_tokens.labels(**self.labels).inc(prompt_tokens)
+        self.generation_tokens.labels(**self.labels).inc(generated)
+        self.e2e.labels(**self.labels).observe(e2e)
+
+    def error(self, status: int) -> None:
+        self.errors.labels(**self.labels, status=str(status)).inc()

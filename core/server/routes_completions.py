@@ -1,0 +1,141 @@
+"""POST /v1/completions: prompts as text or token ids, n, logprobs, echo with
+prompt logprobs (lm-eval-harness's loglikelihood), streaming with usage."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from fw.errors import InvalidRequestError
+from fw.server.convert import CompletionLogprobs, sampling_params
+from fw.server.protocol import CompletionRequest, new_id, now
+from fw.server.state import ServerState
+from fw.server.streaming import EventStream, add_all, merged, sse
+
+router = APIRouter()
+
+
+def _prompt_list(prompt) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+async def _tokenized(state: ServerState, prompts: list) -> list[tuple[str | None, list[int]]]:
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append((p, await state.engine.tokenize(p)))
+        elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+            out.append((None, p))
+        else:
+            raise InvalidRequestError("each prompt must be a non-empty string or a non-empty list of token ids",
+                                      param="prompt")
+    return out
+
+
+@router.post("/v1/completions")
+async def create_completion(req: CompletionRequest, request: Request):
+    state: ServerState = request.app.state.fw
+    model = state.model_name(req.model)
+    if req.suffix:
+        raise InvalidRequestError("suffix is not supported: this server does not do fill-in-the-middle",
+                                  param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequestError("best_of is not supported; use n", param="best_of")
+    prompts = await _tokenized(state, _prompt_list(req.prompt))
+    prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    request_id = new_id("cmpl")
+    state.admit()
+    try:
+        streams = await add_all(state, prompts, params, request_id)
+    except BaseException:
+        state.release()
+        raise
+    job = _Completion(state, req, model, request_id, prompts)
+    if req.stream:
+        return EventStream(state, streams, job.events(streams))
+    try:
+        return JSONResponse(await job.collect(streams))
+    finally:
+        state.release()
+
+
+class _Completion:
+    def __init__(self, state: ServerState, req: CompletionRequest, model: str, request_id: str,
+                 prompts: list[tuple[str | None, list[int]]]):
+        self.state, self.req, self.model, self.id = state, req, model, request_id
+        self.prompts = prompts
+        self.created = now()
+        tok = state.tokenizer
+        n = req.n
+        self.texts = {p * n + i: "" for p in range(len(prompts)) for i in range(n)}
+        self.logprobs = {k: CompletionLogprobs(tok) for k in self.texts}
+        self.finish = {k: None for k in self.texts}
+        self.completion_tokens = 0
+        self.echoed: set[int] = set()
+
+    def _echo(self, p: int, index: int, out) -> str:
+        """The prompt's text (and its logprobs) before a choice's first output, with echo."""
+        if not self.req.echo or index in self.echoed:
+            return ""
+        self.echoed.add(index)
+        text, ids = self.prompts[p]
+        text = text if text is not None else self.state.tokenizer.decode(ids)
+        if self.req.logprobs is not None:
+            entries = out.prompt_logprobs or [None] * len(ids)
+            for token_id, entry in zip(ids, entries):
+                self.logprobs[index].add(token_id, entry, self.req.logprobs)
+        return text
+
+    def _absorb(self, p: int, out) -> list[tuple[int, str]]:
+        """Fold one delta output in; returns (choice index, new text) per choice."""
+        news = []
+        for c in out.outputs:
+            index = p * self.req.n + c.index
+            text = self._echo(p, index, out) + c.text
+            if self.req.logprobs is not None and c.logprobs:
+                self.logprobs[index].offset = len(self.texts[index]) + len(text) - len(c.text)
+                for token_id, entry in zip(c.token_ids, c.logprobs):
+                    self.logprobs[index].add(token_id, entry, self.req.logprobs)
+            self.texts[index] += text
+            self.completion_tokens += len(c.token_ids)
+            if c.finish_reason is not None:
+                self.finish[index] = c.finish_reason
+            news.append((index, text))
+        return news
+
+    def usage(self) -> dict:
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt_tokens + self.completion_tokens}
+
+    async def collect(self, streams) -> dict:
+        async for p, out in merged(self.state, streams, [len(ids) for _, ids in self.prompts]):
+            self._absorb(p, out)
+        choices = [{
+            "index": k, "text": self.texts[k],
+            "logprobs": self.logprobs[k].as_dict() if self.req.logprobs is not None else None,
+            "finish_reason": self.finish[k],
+        } for k in sorted(self.texts)]
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    async def events(self, streams):
+        async for p, out in merged(self.state, streams, [len(ids) for _, ids in self.prompts]):
+            for index, text in self._absorb(p, out):
+                if not text and self.finish[index] is None:
+                    continue
+                choice = {"index": index, "text": text,
+                          "logprobs": self.logprobs[index].take() if self.req.logprobs is not None else None,
+                          "finish_reason": self.finish[index]}
+                yield sse({"id": self.id, "object": "text_completion", "created": self.created,
+                           "model": self.model, "choices": [choice]})
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            yield sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                       "choices": [], "usage": self.usage()})

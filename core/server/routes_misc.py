@@ -1,0 +1,78 @@
+"""Everything but generation: models, health, version, tokenize/detokenize,
+the plugin inventory and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from fw.chat import render_chat
+from fw.errors import InvalidRequestError
+from fw.server.protocol import DetokenizeRequest, TokenizeRequest, error_body
+from fw.server.routes_chat import message_dicts
+from fw.server.state import ServerState
+from fw.version import PLUGIN_API_VERSION, __version__
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.fw
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    state = _state(request)
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
+         "root": state.served_names[0], "max_model_len": state.max_length}
+        for name in state.served_names
+    ]}
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.engine.alive and not state.draining:
+        return Response(status_code=200)
+    return JSONResponse(error_body("the engine is not serving", "service_unavailable", 503), status_code=503)
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": __version__, "plugin_api": PLUGIN_API_VERSION}
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request) -> dict:
+    state = _state(request)
+    state.model_name(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+    if req.messages is not None:
+        tokens = render_chat(state.tokenizer, message_dicts(req.messages))["prompt_token_ids"]
+    else:
+        tokens = await state.engine.tokenize(req.prompt, req.add_special_tokens)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_length}
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
+    state = _state(request)
+    state.model_name(req.model)
+    vocab = state.engine.engine.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+    return {"prompt": state.tokenizer.decode(req.tokens)}
+
+
+@router.get("/v1/fw/plugins")
+async def plugins(request: Request) -> dict:
+    return {"plugins": _state(request).engine.engine.plugins.inventory()}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)

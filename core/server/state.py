@@ -1,0 +1,113 @@
+"""What every route needs: the engine, the served names, limits and metrics.
+
+Admission control lives here: a request over `--max-concurrent-requests` (or
+one arriving while `--max-queue-size` requests wait) is refused with 429
+before it touches the engine, as TGI does."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fw.engine.outputs import RequestOutput
+from fw.errors import FwError, InvalidRequestError
+from fw.sampling.params import SamplingParams
+from fw.server.async_engine import AsyncEngine, RequestStream
+from fw.server.config import ServerConfig
+from fw.server.metrics import ServerMetrics
+
+
+class OverloadedError(FwError):
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+class ModelNotFoundError(FwError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class ShuttingDownError(FwError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    served_names: list[str]
+    metrics: ServerMetrics
+    in_flight: int = 0
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_length(self) -> int:
+        return self.engine.engine.max_length
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.config.max_input_tokens or self.max_length - 1
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested in self.served_names:
+            return requested or self.served_names[0]
+        raise ModelNotFoundError(
+            f"The model `{requested}` does not exist; this server serves {', '.join(self.served_names)}")
+
+    def admit(self) -> None:
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down; retry on another replica")
+        if self.in_flight >= self.config.max_concurrent_requests:
+            raise OverloadedError(
+                f"Model is overloaded: {self.in_flight} requests in flight, the limit is "
+                f"{self.config.max_concurrent_requests} (--max-concurrent-requests); retry later")
+        limit = self.config.max_queue_size
+        if limit is not None and self.engine.stats["num_waiting"] >= limit:
+            raise OverloadedError(f"the queue is full ({limit} requests waiting, --max-queue-size); retry later")
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    def check_prompt(self, num_tokens: int) -> None:
+        if num_tokens > self.max_input_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {num_tokens} tokens, more than the {self.max_input_tokens} this server accepts "
+                f"(--max-input-tokens); shorten it", param="prompt")
+
+    async def add(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                  request_id: str) -> RequestStream:
+        self.check_prompt(len(prompt_ids))
+        return await self.engine.add_request(prompt, prompt_ids, params, request_id)
+
+    async def track(self, stream: RequestStream, num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
+        """A request's delta stream, with latency and token metrics recorded."""
+        arrival = time.monotonic()
+        last = None
+        generated = 0
+        reasons: dict[int, str | None] = {}
+        labels = self.metrics.labels
+        async for out in stream:
+            now = time.monotonic()
+            tokens = sum(len(c.token_ids) for c in out.outputs)
+            if tokens:
+                if last is None:
+                    self.metrics.ttft.labels(**labels).observe(now - arrival)
+                else:
+                    for _ in range(tokens):
+                        self.metrics.itl.labels(**labels).observe((now - last) / tokens)
+                last = now
+                generated += tokens
+            for c in out.outputs:
+                if c.finish_reason is not None:
+                    reasons[c.index] = c.finish_reason
+            yield out
+        self.metrics.request_finished(list(reasons.values()), num_prompt_tokens, generated,
+                                      time.monotonic() - arrival)
