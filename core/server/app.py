@@ -84,7 +84,10 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(state, exc.status_code, str(exc.detail), kind)
+        message = str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:  # e.g. bytes that are not UTF-8
+            message = "the request body could not be read as JSON text: send UTF-8 encoded JSON"
+        return _error(state, exc.status_code, message, kind)
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception):

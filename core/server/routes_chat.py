@@ -42,6 +42,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
 async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.fw
     model = state.model_name(req.model)
+    state.note_ignored(req)
     if req.response_format is not None and req.response_format.type != "text":
         raise InvalidRequestError(
             f"response_format {req.response_format.type!r} needs a grammar backend; none is installed "

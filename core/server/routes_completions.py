@@ -42,6 +42,7 @@ async def _tokenized(state: ServerState, prompts: list) -> list[tuple[str | None
 async def create_completion(req: CompletionRequest, request: Request):
     state: ServerState = request.app.state.fw
     model = state.model_name(req.model)
+    state.note_ignored(req)
     if req.suffix:
         raise InvalidRequestError("suffix is not supported: this server does not do fill-in-the-middle",
                                   param="suffix")

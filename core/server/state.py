@@ -6,6 +6,7 @@ before it touches the engine, as TGI does."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -16,6 +17,8 @@ from fw.sampling.params import SamplingParams
 from fw.server.async_engine import AsyncEngine, RequestStream
 from fw.server.config import ServerConfig
 from fw.server.metrics import ServerMetrics
+
+logger = logging.getLogger("fw.server")
 
 
 class OverloadedError(FwError):
@@ -60,6 +63,12 @@ class ServerState:
             return requested or self.served_names[0]
         raise ModelNotFoundError(
             f"The model `{requested}` does not exist; this server serves {', '.join(self.served_names)}")
+
+    def note_ignored(self, req) -> None:
+        """Unknown fields are accepted for compatibility, but never silently: they are logged."""
+        ignored = req.ignored_fields()
+        if ignored:
+            logger.warning("ignored request fields: %s", ", ".join(ignored))
 
     def admit(self) -> None:
         if self.draining:
