@@ -52,3 +52,9 @@ def fw_register_cli_commands(register) -> None:
 @hookspec
 def fw_add_cli_arguments(command: str, parser) -> None:
     """Add options to an existing subcommand's argparse parser (`command` is its name)."""
+
+
+@hookspec
+def fw_add_server_routes(app, state) -> None:
+    """Add routes to `fw serve`'s FastAPI `app`; `state` (fw.server.state.ServerState) gives
+    the engine, served names and metrics. A plugin that raises here is logged and skipped."""

@@ -97,7 +97,18 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)
     app.include_router(routes_misc.router)
+    _add_plugin_routes(app, state)
     return app
+
+
+def _add_plugin_routes(app: FastAPI, state: ServerState) -> None:
+    """Routes from plugins (`fw_add_server_routes`), each plugin on its own: one that fails is skipped."""
+    hook = state.engine.engine.plugins.pm.hook.fw_add_server_routes
+    for impl in hook.get_hookimpls():
+        try:
+            impl.function(app=app, state=state)
+        except Exception:
+            logger.exception("plugin %s failed to add server routes; they are missing", impl.plugin_name)
 
 
 class JsonLogFormatter(logging.Formatter):
