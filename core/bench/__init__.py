@@ -1,0 +1,17 @@
+"""Benchmarks as commands (`fw bench ...`), not timed tests.
+
+`serve_load` drives any OpenAI-compatible server with synthetic streaming
+requests and measures each one; `prompts` makes the synthetic prompts;
+`report` turns the measurements into statistics, a table and a JSON file.
+Nothing here imports the engine: the load generator must run on a machine
+that only has the client side installed, against fw, vLLM, TGI or SGLang.
+"""
+
+from fw.errors import FwError
+
+
+class BenchError(FwError):
+    """The benchmark cannot start: the server is unreachable or the options contradict each other."""
+
+    status_code = 400
+    error_type = "invalid_request_error"

@@ -1,0 +1,445 @@
+"""`fw bench serve`: statistics, SSE parsing and per-request measurement as pure functions, then
+whole runs against a small OpenAI-compatible FastAPI app on 127.0.0.1 whose stream timing is
+known, so the measured TTFT, ITL, TPOT and throughput can be checked against it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fw.bench import BenchError
+from fw.bench.prompts import WORDS, calibration_from_counts, make_prompt, sample_lengths, words_for_tokens
+from fw.bench.report import build_report, format_table, percentile, summarize, tpot
+from fw.bench.serve_load import (BenchConfig, RequestResult, SSEDecoder, StreamRecorder, api_url, arrival_offsets,
+                                 benchmark, build_payload, parse_chunk)
+from fw.cli.main import build_parser, main
+
+# --- statistics ------------------------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [15.0, 20.0, 35.0, 40.0, 50.0]
+    assert percentile(values, 0) == 15 and percentile(values, 100) == 50
+    assert percentile(values, 50) == 35
+    assert percentile(values, 40) == pytest.approx(29.0)  # rank 1.6: 20 + 0.6 * 15
+    assert percentile(list(reversed(values)), 90) == pytest.approx(46.0)  # order of input does not matter
+    assert percentile([7.0], 99) == 7.0
+    data = [random.Random(3).random() for _ in range(101)]
+    assert percentile(data, 99) == pytest.approx(sorted(data)[99])
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_summarize_always_has_every_key():
+    stats = summarize([1.0, 2.0, 3.0, 4.0])
+    assert stats["mean"] == 2.5 and stats["median"] == 2.5 and stats["min"] == 1 and stats["max"] == 4
+    assert stats["p90"] == pytest.approx(3.7) and stats["p99"] == pytest.approx(3.97)
+    assert stats["std"] == pytest.approx(math.sqrt(1.25))
+    empty = summarize([])
+    assert set(empty) == set(stats) and all(v is None for v in empty.values())
+
+
+def test_tpot_excludes_the_first_token():
+    r = RequestResult(0, 10, 10, ttft=0.2, latency=1.1, output_tokens=10, success=True)
+    assert tpot(r) == pytest.approx(0.1)
+    assert tpot(RequestResult(0, 10, 10, ttft=0.2, latency=0.2, output_tokens=1)) is None
+    assert tpot(RequestResult(0, 10, 10, ttft=None, latency=0.2, output_tokens=5)) is None
+
+
+# --- prompts and schedule ----------------------------------------------------------------------------------------
+
+
+def test_lengths_are_uniform_over_the_range():
+    lengths = sample_lengths(128, 0.5, 4000, random.Random(0))
+    assert min(lengths) == 64 and max(lengths) == 192
+    assert sum(lengths) / len(lengths) == pytest.approx(128, rel=0.03)
+    assert sample_lengths(128, 0.0, 5, random.Random(0)) == [128] * 5
+    assert set(sample_lengths(2, 0.9, 200, random.Random(0))) == {1, 2, 3, 4}  # never below 1
+    with pytest.raises(ValueError):
+        sample_lengths(10, 1.0, 1, random.Random(0))
+
+
+def test_prompts_are_seeded_words():
+    a = make_prompt(50, random.Random(7))
+    assert a == make_prompt(50, random.Random(7)) != make_prompt(50, random.Random(8))
+    assert len(a.split()) == 50 and all(w in WORDS for w in a.split())
+    assert words_for_tokens(130, 1.3) == 100 and words_for_tokens(1, 1.3) == 1
+
+
+def test_calibration_cancels_per_prompt_overhead():
+    # 1 BOS + 1.25 tokens/word: the difference sees only the per-word rate
+    assert calibration_from_counts(200, 251, 400, 501) == pytest.approx(1.25)
+    assert calibration_from_counts(200, 100, 400, 100) is None  # nonsense: fall back to the default
+    assert calibration_from_counts(200, 100, 200, 300) is None
+
+
+def test_arrivals_poisson_and_all_at_once():
+    assert arrival_offsets(4, math.inf, 1.0, random.Random(0)) == [0.0] * 4
+    offsets = arrival_offsets(3000, 10.0, 1.0, random.Random(0))
+    assert offsets[0] == 0 and all(b >= a for a, b in zip(offsets, offsets[1:]))
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    mean = sum(gaps) / len(gaps)
+    assert mean == pytest.approx(0.1, rel=0.06)
+    assert math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) == pytest.approx(0.1, rel=0.1)  # exponential
+    steady_offsets = arrival_offsets(3000, 10.0, 100.0, random.Random(0))
+    steady_gaps = [b - a for a, b in zip(steady_offsets, steady_offsets[1:])]
+    assert max(steady_gaps) < 0.2 and sum(steady_gaps) / len(steady_gaps) == pytest.approx(0.1, rel=0.05)
+    assert offsets == arrival_offsets(3000, 10.0, 1.0, random.Random(0))
+
+
+def test_payloads_and_urls():
+    body = build_payload("completions", "m", "hi there", 16, 0.0, True, {"top_p": 0.9, "stream_options": None})
+    assert body == {"model": "m", "prompt": "hi there", "max_tokens": 16, "temperature": 0.0, "stream": True,
+                    "ignore_eos": True, "min_tokens": 16, "top_p": 0.9}
+    chat = build_payload("chat", "m", "hi", 4, 0.5, False, {})
+    assert chat["messages"] == [{"role": "user", "content": "hi"}] and "prompt" not in chat
+    assert chat["stream_options"] == {"include_usage": True} and "ignore_eos" not in chat
+    assert api_url("http://h:1/", "/v1/completions") == "http://h:1/v1/completions"
+    assert api_url("http://h:1/v1", "/v1/chat/completions") == "http://h:1/v1/chat/completions"
+    assert BenchConfig("u", endpoint="/v1/chat/completions").kind == "chat"
+    assert BenchConfig("u").kind == "completions"
+
+
+# --- server-sent events ---------------------------------------------------------------------------------------
+
+
+def test_sse_decoder_survives_any_split():
+    stream = ('data: {"x": "é"}\r\n\r\n: keep-alive comment\n\nevent: message\nid: 3\ndata:{"y": 1}\n\n'
+              'retry: 10\ndata: [DONE]\n\n').encode()
+    expected = ['{"x": "é"}', '{"y": 1}', "[DONE]"]
+    for size in range(1, 12):  # every chunk size splits lines, \r\n pairs and the 2-byte é somewhere
+        decoder = SSEDecoder()
+        got = [p for i in range(0, len(stream), size) for p in decoder.feed(stream[i:i + size])]
+        assert got + decoder.flush() == expected, size
+    decoder = SSEDecoder()
+    assert decoder.feed(b"data: a\rdata: b\rdata: tail") == ["a", "b"]  # lone CR ends lines too
+    assert decoder.flush() == ["tail"]
+
+
+def test_parse_chunk_completions_chat_usage_error():
+    c = parse_chunk('{"choices": [{"index": 0, "text": " Paris", "finish_reason": null}]}')
+    assert c.text == " Paris" and not c.done and c.completion_tokens is None
+    role = parse_chunk('{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}')
+    assert role.text == ""  # the role chunk carries no token
+    last = parse_chunk('{"choices": [{"delta": {"content": "Hi"}, "finish_reason": "length"}]}')
+    assert (last.text, last.finish_reason) == ("Hi", "length")
+    assert parse_chunk('{"choices": [{"delta": {"reasoning_content": "hm"}}]}').text == "hm"
+    usage = parse_chunk('{"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 12}}')
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.text) == (7, 12, "")
+    assert parse_chunk("[DONE]").done
+    assert parse_chunk('{"error": {"message": "boom", "code": 500}}').error == "boom"
+    with pytest.raises(ValueError):
+        parse_chunk("not json")
+    with pytest.raises(ValueError):
+        parse_chunk("[1, 2]")
+
+
+def _text(t: str) -> str:
+    return json.dumps({"choices": [{"index": 0, "text": t, "finish_reason": None}]})
+
+
+def test_recorder_times_and_counts():
+    r = StreamRecorder(RequestResult(0, 8, 4), started=10.0)
+    assert not r.feed(json.dumps({"choices": [{"delta": {"role": "assistant", "content": ""}}]}), 10.05)
+    for text, now in (("a", 10.2), ("b", 10.3), ("c", 10.45)):
+        assert not r.feed(_text(text), now)
+    assert not r.feed(json.dumps({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 6}}), 10.46)
+    assert r.feed("[DONE]", 10.5)
+    res = r.finish(10.5)
+    assert res.success and res.error is None
+    assert res.ttft == pytest.approx(0.2) and res.itl == pytest.approx([0.1, 0.15])
+    assert res.latency == pytest.approx(0.5)
+    assert (res.output_tokens, res.output_tokens_source, res.prompt_tokens) == (6, "usage", 9)
+
+    no_usage = StreamRecorder(RequestResult(0, 8, 4), started=0.0)
+    for i in range(3):
+        no_usage.feed(_text("x"), 0.1 * (i + 1))
+    no_usage.feed("[DONE]", 0.4)
+    assert no_usage.finish(0.4).output_tokens == 3 and no_usage.result.output_tokens_source == "chunks"
+
+    cut = StreamRecorder(RequestResult(0, 8, 4), started=0.0)
+    cut.feed(_text("x"), 0.1)
+    assert not cut.finish(0.2).success and "[DONE]" in cut.result.error
+    finished = StreamRecorder(RequestResult(0, 8, 4), started=0.0)  # no [DONE], but the choice finished
+    finished.feed(json.dumps({"choices": [{"text": "x", "finish_reason": "stop"}]}), 0.1)
+    assert finished.finish(0.2).success
+
+    failed = StreamRecorder(RequestResult(0, 8, 4), started=0.0)
+    assert failed.feed('{"error": {"message": "out of memory"}}', 0.1)
+    assert not failed.finish(0.1).success and "out of memory" in failed.result.error
+
+
+# --- whole runs against a fake server ---------------------------------------------------------------------------
+
+TTFT, ITL = 0.10, 0.05  # the fake server's prefill and per-chunk delays, in seconds
+
+
+def fake_openai_app(*, tokens_per_chunk: int = 1, usage: bool = True, fail_every: int = 0,
+                    tokenize: bool = True, stall: float = 0.0) -> tuple[FastAPI, dict]:
+    """An OpenAI-compatible streaming server with known timing: the first chunk after TTFT, then one
+    chunk every ITL, max_tokens / tokens_per_chunk chunks in all. Every `fail_every`-th request is
+    refused with 429. `state` records what it saw (prompts, concurrency)."""
+    app = FastAPI()
+    state = {"requests": 0, "inflight": 0, "max_inflight": 0, "bodies": []}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    if tokenize:
+        @app.post("/tokenize")
+        async def tokenize_(request: Request):
+            words = (await request.json())["prompt"].split()
+            return {"tokens": list(range(len(words) + 1)), "count": len(words) + 1}  # 1 token/word + BOS
+
+    async def handle(request: Request, chat: bool):
+        body = await request.json()
+        state["requests"] += 1
+        state["bodies"].append(body)
+        if fail_every and state["requests"] % fail_every == 0:
+            return JSONResponse({"error": {"message": "too many requests", "type": "rate_limit_error"}},
+                                status_code=429)
+        chunks = max(1, body["max_tokens"] // tokens_per_chunk)
+
+        def event(text: str | None, finish: str | None = None) -> str:
+            choice = ({"index": 0, "delta": {"content": text} if text is not None else {"role": "assistant"}}
+                      if chat else {"index": 0, "text": text or ""})
+            choice["finish_reason"] = finish
+            return "data: " + json.dumps({"id": "x", "object": "chunk", "model": body["model"],
+                                          "choices": [choice]}) + "\n\n"
+
+        async def stream():
+            state["inflight"] += 1
+            state["max_inflight"] = max(state["max_inflight"], state["inflight"])
+            try:
+                if chat:
+                    yield event(None)  # the role chunk: no content, must not count as the first token
+                await asyncio.sleep(TTFT + stall)
+                for i in range(chunks):
+                    if i:
+                        await asyncio.sleep(ITL)
+                    yield event("tok" * tokens_per_chunk, "length" if i == chunks - 1 else None)
+                if usage:
+                    yield "data: " + json.dumps({"choices": [], "usage": {
+                        "prompt_tokens": len(str(body.get("prompt", body.get("messages"))).split()),
+                        "completion_tokens": chunks * tokens_per_chunk}}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                state["inflight"] -= 1
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app, state
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """Run `app` with uvicorn in a thread on a free loopback port; yield its base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    return build_report(asyncio.run(benchmark(cfg, progress=False)))
+
+
+def test_measures_the_servers_timing_and_counts_429s():
+    app, state = fake_openai_app(tokens_per_chunk=2, fail_every=4)
+    with serving(app) as url:
+        report = run_bench(BenchConfig(url, num_prompts=8, max_concurrency=4, input_len=20, output_len=10))
+    assert report["model"] == "fake-model"  # from GET /v1/models
+    assert (report["completed"], report["failed"]) == (6, 2)
+    assert report["errors"] == {"HTTP 429: too many requests": 2}
+    assert {r["status_code"] for r in report["requests"] if not r["success"]} == {429}
+    assert state["max_inflight"] <= 4 and report["max_concurrent_requests"] <= 4
+
+    # /tokenize says 1 token per word (+ BOS): prompts of 20 tokens are 20 words
+    assert (report["tokens_per_word"], report["tokens_per_word_source"]) == (1.0, "tokenize")
+    assert {len(b["prompt"].split()) for b in state["bodies"]} == {20}
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["temperature"] == 0
+               for b in state["bodies"])
+
+    # 5 chunks of 2 tokens: TTFT, 4 gaps of ITL; usage says 10 tokens, so TPOT = 4 * ITL / 9
+    ms = 1000
+    assert TTFT * ms <= report["ttft_ms"]["median"] < TTFT * ms + 60
+    assert ITL * ms * 0.9 <= report["itl_ms"]["median"] < ITL * ms + 30
+    assert report["output_tokens_source"] == "usage" and report["total_output_tokens"] == 60
+    assert report["tpot_ms"]["median"] == pytest.approx(4 * ITL * ms / 9, rel=0.4)
+    e2e = TTFT + 4 * ITL
+    assert e2e * ms <= report["e2el_ms"]["median"] < e2e * ms + 100
+    # two waves of at most 4 (the refused ones free their slot at once)
+    assert 2 * e2e * 0.95 <= report["duration_s"] < 2 * e2e + 1.0
+    assert report["request_throughput"] == pytest.approx(6 / report["duration_s"])
+    assert report["output_throughput"] == pytest.approx(60 / report["duration_s"])
+    assert report["total_token_throughput"] == pytest.approx(
+        (report["total_input_tokens"] + 60) / report["duration_s"])
+    assert report["input_tokens_source"] == "usage" and report["total_input_tokens"] == 6 * 20
+
+
+def test_cli_chat_without_usage_or_tokenize_writes_the_json(tmp_path, capsys):
+    app, state = fake_openai_app(usage=False, tokenize=False)
+    out = tmp_path / "result.json"
+    with serving(app) as url:
+        code = main(["bench", "serve", "--base-url", url + "/v1", "--endpoint", "/v1/chat/completions",
+                     "--model", "my-model", "--api-key", "secret", "--num-prompts", "6", "--request-rate", "inf",
+                     "--input-len", "26", "--output-len", "4", "--output-len-range", "0.5", "--ignore-eos",
+                     "--seed", "3", "--result-json", str(out), "--no-progress"])
+    assert code == 0
+    table = capsys.readouterr().out
+    for line in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
+                 "Total token throughput (tok/s):", "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):",
+                 "P90 E2EL (ms):"):
+        assert line in table
+    report = json.loads(out.read_text())
+    for key in ("completed", "failed", "duration_s", "request_throughput", "output_throughput",
+                "total_token_throughput", "total_input_tokens", "total_output_tokens", "errors", "requests",
+                "config", "model"):
+        assert key in report
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(report[metric]) >= {"mean", "median", "p90", "p99"}
+        assert all(isinstance(v, float) for v in report[metric].values())
+    assert "api_key" not in report["config"] and "secret" not in out.read_text()
+    assert report["config"]["request_rate"] == "inf"
+    assert (report["completed"], report["model"], report["tokens_per_word_source"]) == (6, "my-model", "default")
+    # no usage chunk: tokens are counted as content chunks (the role chunk is not one); 26 tokens / 1.3 = 20 words
+    assert report["output_tokens_source"] == "chunks" and report["input_tokens_source"] == "estimate"
+    max_tokens = [b["max_tokens"] for b in state["bodies"]]
+    assert all(2 <= m <= 6 for m in max_tokens)
+    assert report["total_output_tokens"] == sum(max_tokens)
+    assert all(b["ignore_eos"] is True and b["min_tokens"] == b["max_tokens"] for b in state["bodies"])
+    assert {len(b["messages"][0]["content"].split()) for b in state["bodies"]} == {20}
+    assert report["ttft_ms"]["min"] >= TTFT * 1000
+    assert report["max_concurrent_requests"] == 6  # all at once
+
+
+def test_request_rate_spreads_the_starts():
+    app, _ = fake_openai_app()
+    with serving(app) as url:
+        report = run_bench(BenchConfig(url, model="m", num_prompts=6, request_rate=20.0, input_len=4, output_len=2,
+                                       seed=5))
+    expected = arrival_offsets(6, 20.0, 1.0, random.Random(5 + 1))
+    starts = [r["start"] for r in report["requests"]]
+    assert all(0 <= s - e < 0.08 for s, e in zip(starts, expected)), (starts, expected)
+
+
+def test_timeouts_are_failures_and_the_run_still_ends():
+    app, _ = fake_openai_app(stall=5.0)
+    with serving(app) as url:
+        t0 = time.monotonic()
+        report = run_bench(BenchConfig(url, model="m", num_prompts=3, input_len=4, output_len=2,
+                                       request_timeout=0.3))
+    assert time.monotonic() - t0 < 3
+    assert (report["completed"], report["failed"]) == (0, 3)
+    assert report["errors"] == {"timed out after 0.3 s": 3}
+    assert report["ttft_ms"]["mean"] is None and report["request_throughput"] == 0
+    assert "Failed requests:" in format_table(report)
+
+
+def test_unreachable_server_is_one_line_error(capsys):
+    port = free_port()  # nothing listens there
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fw: error: cannot reach") and "--base-url" in err and "Traceback" not in err
+    with pytest.raises(BenchError):
+        BenchConfig("u", max_concurrency=0).validate()
+    assert main(["bench", "serve", "--input-len-range", "1.5", "--model", "m", "--no-progress"]) == 2
+
+
+# --- against the real `fw serve` ---------------------------------------------------------------------------------
+
+
+def _fw_serve_wired() -> bool:
+    return "serve" in build_parser(None)._subparsers._group_actions[0].choices
+
+
+@pytest.fixture
+def fw_server(gqa_dir, tmp_path) -> Iterator[str]:
+    """`fw serve` on the tiny GQA model, as its own process (the way a user runs it); yields its URL.
+    Its output goes to a file (a pipe nobody reads could fill and stall the server)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from plugin_fixtures import clean_env
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "fw.cli.main", "serve", "--model", str(gqa_dir), "--port",
+                                 str(port), "--num-kv-blocks", "64"], env=clean_env(), stdout=sink,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"fw serve exited: {log.read_text(errors='replace')}"
+            assert time.monotonic() < deadline, "fw serve did not come up in 60 s"
+            try:
+                if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(not _fw_serve_wired(), reason="`fw serve` is not wired into the CLI yet")
+def test_against_fw_serve(fw_server, tmp_path, capsys):
+    out = tmp_path / "fw.json"
+    assert main(["bench", "serve", "--base-url", fw_server, "--num-prompts", "8", "--max-concurrency", "4",
+                 "--input-len", "32", "--output-len", "8", "--ignore-eos", "--no-progress",
+                 "--result-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["failed"]) == (8, 0), report["errors"]
+    assert report["total_output_tokens"] == 64 and report["output_tokens_source"] == "usage"
+    assert report["tokens_per_word_source"] == "tokenize"  # fw serves POST /tokenize
+    assert report["max_concurrent_requests"] <= 4
+    # at most one content chunk per token (a token that ends inside a UTF-8 character streams no text)
+    assert all(r["ttft"] is not None and len(r["itl"]) <= 7 for r in report["requests"])
+    assert "Successful requests:" in capsys.readouterr().out
