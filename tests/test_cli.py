@@ -186,9 +186,9 @@ def test_plugin_command_that_cannot_configure_does_not_break_fw(root, capsys):
 def test_build_parser_without_plugins_has_core_commands():
     parser = build_parser(None)
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"generate", "plugins", "bench"}
+    assert set(commands) == {"generate", "serve", "plugins", "bench"}
     parser_with_plugins = build_parser(PluginManager(entry_points=pf.fw_entry_points()).load())
-    assert set(parser_with_plugins._subparsers._group_actions[0].choices) == {"generate", "plugins", "bench"}
+    assert set(parser_with_plugins._subparsers._group_actions[0].choices) == {"generate", "serve", "plugins", "bench"}
 
 
 def test_closed_pipe_is_not_a_traceback():
