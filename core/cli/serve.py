@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -64,12 +65,21 @@ def run(args: argparse.Namespace) -> int:
                             access_log=server_config.log_requests)
     server = uvicorn.Server(config)
     _announce_when_ready(server, server_config, names[0])
+    _graceful_sigterm_exits_zero()
     server.run()
     return 0
 
 
+def _graceful_sigterm_exits_zero() -> None:
+    """uvicorn catches SIGTERM, shuts down gracefully, restores the handler it found and raises the
+    signal again, which would kill the process (exit -15) after a clean shutdown. The handler it
+    restores is this no-op, so `run` returns and `fw serve` exits 0, as a supervisor expects."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+
+
 def _announce_when_ready(server, config, name: str) -> None:
-    """Print where to reach the server, with a ready-to-paste curl line, once it listens."""
+    """Print where to reach the server, with a ready-to-paste curl line, once it listens. The line
+    sets max_tokens: at OpenAI's default temperature a small model may ramble to the context limit."""
     original = server.startup
 
     async def startup(sockets=None) -> None:
@@ -81,7 +91,7 @@ def _announce_when_ready(server, config, name: str) -> None:
             print(f"fw: serving {name} at http://{host}:{port}/v1 (OpenAI API)\n"
                   f"curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
                   f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-                  f"\"What is the capital of France?\"}}]}}'", flush=True)
+                  f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
 
     server.startup = startup
 

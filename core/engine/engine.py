@@ -116,7 +116,7 @@ class LLMEngine:
         self._validate_token_params(params)
         if params.max_tokens is None:
             # A copy: the caller's params may be shared by prompts of other lengths.
-            params = dataclasses.replace(params, max_tokens=self.max_length - len(ids))
+            params = dataclasses.replace(params, max_tokens=self.max_sequence_tokens - len(ids))
         req = Request(request_id, prompt, ids, params, delta=delta)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -134,6 +134,13 @@ class LLMEngine:
         self.requests[request_id] = req
         return req
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """Longest sequence one request can reach: --max-length, or less when the whole KV cache
+        holds less. A request without max_tokens runs up to it (rather than being refused because
+        a full --max-length sequence would not fit)."""
+        return min(self.max_length, self.blocks.num_blocks * self.blocks.page_size)
+
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
@@ -150,12 +157,17 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds the "
                 f"maximum length {limit}; lower max_tokens to at most {limit - n}", param="max_tokens")
-        total = n + (params.max_tokens if params.max_tokens is not None else limit - n)
         capacity = self.blocks.num_blocks * self.blocks.page_size
-        if total > capacity:
+        if params.max_tokens is None:
+            if n >= capacity:
+                raise PromptTooLongError(
+                    f"the prompt has {n} tokens but the whole KV cache holds {capacity}; shorten the prompt or "
+                    f"start the engine with a larger --kv-cache-memory", param="prompt")
+        elif n + params.max_tokens > capacity:
             raise PromptTooLongError(
-                f"the request needs up to {total} tokens of KV cache but the whole cache holds {capacity}; "
-                f"lower max_tokens or start the engine with a larger --kv-cache-memory", param="max_tokens")
+                f"the request needs up to {n + params.max_tokens} tokens of KV cache but the whole cache holds "
+                f"{capacity}; lower max_tokens or start the engine with a larger --kv-cache-memory",
+                param="max_tokens")
 
     def _validate_token_params(self, params: SamplingParams) -> None:
         """Token ids in sampling params must be in the vocabulary: the sampler stages index logits

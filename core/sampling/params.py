@@ -73,6 +73,9 @@ class SamplingParams:
             raise bad("frequency_penalty", f"must be between -2 and 2, got {self.frequency_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be between -2 and 2, got {self.presence_penalty}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            # torch's generators take 64-bit seeds; a larger one failed deep in add_request.
+            raise bad("seed", f"must fit in 64 bits (-2**63 .. 2**63-1), got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:

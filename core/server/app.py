@@ -52,6 +52,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
     app = FastAPI(title="fw", version=__version__, lifespan=lifespan)
     app.state.fw = state
+    app.add_middleware(BodyLimit, limit=state.config.payload_limit)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -109,6 +110,34 @@ def _add_plugin_routes(app: FastAPI, state: ServerState) -> None:
             impl.function(app=app, state=state)
         except Exception:
             logger.exception("plugin %s failed to add server routes; they are missing", impl.plugin_name)
+
+
+class BodyLimit:
+    """--payload-limit for bodies sent without Content-Length (chunked), which `guard` cannot
+    check up front: count the bytes as they arrive and refuse with 413 once over the limit,
+    instead of reading (and then tokenizing) a body of any size."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise StarletteHTTPException(413, f"the request body is larger than the {self.limit} bytes "
+                                                      f"allowed (--payload-limit)")
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 class JsonLogFormatter(logging.Formatter):

@@ -33,6 +33,9 @@ class EngineFaultError(FwError):
     error_type = "internal_error"
 
 
+_CLOSED = object()  # queued by RequestStream.close: the end of a stream cut short
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -125,7 +128,8 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
-            self._drain_commands()
+            if self._drain_commands():
+                self.stats = self.engine.stats()  # an abort with nothing left to step must show too
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
                 continue
@@ -147,12 +151,15 @@ class AsyncEngine:
                 self._on_step(outputs, time.monotonic() - started)
         self._drain_commands()
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> bool:
+        """Run the queued commands; True if there were any (they may have changed the engine's state)."""
+        ran = False
         while True:
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return ran
+            ran = True
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -186,6 +193,8 @@ class RequestStream:
         try:
             while not self.finished:
                 item = await self._stream.queue.get()
+                if item is _CLOSED:
+                    return
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
@@ -198,3 +207,6 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self.engine.abort_nowait(self.request_id)
+            # An aborted request gets no more outputs: wake a reader still waiting for one, so it
+            # ends (and its metrics are recorded) instead of waiting forever.
+            self._stream.queue.put_nowait(_CLOSED)

@@ -12,14 +12,41 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        """JSON can escape lone surrogates ("\\ud800"), which are not text: the tokenizer raised
+        a TypeError on them (a 500). Refuse them here as a bad request."""
+        _check_text(data)
+        return data
+
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
+
+
+def _check_text(data: Any) -> None:
+    """Raise ValueError on a string (value or key) that UTF-8 cannot encode; iterative, as JSON
+    may nest deeply."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"the request has a string that is not valid Unicode (a lone surrogate "
+                                 f"escape such as \\u{ord(value[exc.start]):04x}); send UTF-8 text") from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 class StreamOptions(BaseModel):

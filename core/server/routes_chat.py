@@ -12,7 +12,7 @@ from fw.errors import InvalidRequestError
 from fw.server.convert import chat_logprobs, sampling_params
 from fw.server.protocol import ChatCompletionRequest, ChatMessage, new_id, now
 from fw.server.state import ServerState
-from fw.server.streaming import EventStream, add_all, merged, sse
+from fw.server.streaming import EventStream, add_all, merged, sse, unless_disconnected
 
 router = APIRouter()
 
@@ -69,8 +69,10 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     if req.stream:
         return EventStream(state, streams, job.events(streams))
     try:
-        return JSONResponse(await job.collect(streams))
+        return JSONResponse(await unless_disconnected(request, job.collect(streams)))
     finally:
+        for stream in streams:
+            stream.close()  # a no-op for finished requests; aborts any left by a cancelled collect
         state.release()
 
 

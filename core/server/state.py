@@ -97,26 +97,28 @@ class ServerState:
         return await self.engine.add_request(prompt, prompt_ids, params, request_id)
 
     async def track(self, stream: RequestStream, num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
-        """A request's delta stream, with latency and token metrics recorded."""
+        """A request's delta stream, with latency and token metrics recorded. Recorded in `finally`:
+        a request cut short (client gone, shutdown) still counts, its unfinished choices as "abort"."""
         arrival = time.monotonic()
         last = None
         generated = 0
         reasons: dict[int, str | None] = {}
         labels = self.metrics.labels
-        async for out in stream:
-            now = time.monotonic()
-            tokens = sum(len(c.token_ids) for c in out.outputs)
-            if tokens:
-                if last is None:
-                    self.metrics.ttft.labels(**labels).observe(now - arrival)
-                else:
-                    for _ in range(tokens):
-                        self.metrics.itl.labels(**labels).observe((now - last) / tokens)
-                last = now
-                generated += tokens
-            for c in out.outputs:
-                if c.finish_reason is not None:
-                    reasons[c.index] = c.finish_reason
-            yield out
-        self.metrics.request_finished(list(reasons.values()), num_prompt_tokens, generated,
-                                      time.monotonic() - arrival)
+        try:
+            async for out in stream:
+                now = time.monotonic()
+                tokens = sum(len(c.token_ids) for c in out.outputs)
+                if tokens:
+                    if last is None:
+                        self.metrics.ttft.labels(**labels).observe(now - arrival)
+                    else:
+                        for _ in range(tokens):
+                            self.metrics.itl.labels(**labels).observe((now - last) / tokens)
+                    last = now
+                    generated += tokens
+                for c in out.outputs:
+                    reasons[c.index] = c.finish_reason or reasons.get(c.index)
+                yield out
+        finally:
+            self.metrics.request_finished(list(reasons.values()), num_prompt_tokens, generated,
+                                          time.monotonic() - arrival)

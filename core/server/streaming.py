@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from fw.engine.outputs import RequestOutput
@@ -19,6 +21,14 @@ from fw.server.state import ServerState
 
 logger = logging.getLogger("fw.server")
 _DONE = object()
+T = TypeVar("T")
+
+
+class ClientDisconnectedError(FwError):
+    """The client hung up before its (non-streamed) answer was ready; nobody reads this reply."""
+
+    status_code = 499
+    error_type = "client_closed_request"
 
 
 async def add_all(state: ServerState, prompts: list[tuple[str | None, list[int]]], params,
@@ -42,8 +52,10 @@ async def merged(state: ServerState, streams: list[RequestStream],
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
-            async for out in state.track(stream, prompt_lens[i]):
-                await queue.put((i, out))
+            # closed at once when the pump is cancelled, so the request's metrics are recorded then
+            async with aclosing(state.track(stream, prompt_lens[i])) as outputs:
+                async for out in outputs:
+                    await queue.put((i, out))
             await queue.put((i, _DONE))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             await queue.put((i, exc))
@@ -64,6 +76,32 @@ async def merged(state: ServerState, streams: list[RequestStream],
             task.cancel()
         for stream in streams:
             stream.close()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await a non-streamed request's `work`, cancelling it if the client hangs up first.
+
+    Nothing else notices a vanished client until the answer is written, so without this a request
+    would keep its pages and batch slot, generating up to max_tokens for nobody. Cancelling `work`
+    runs its `finally` blocks, which abort its engine requests."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done() or listener.exception() is not None:
+            return await task
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnectedError("the client closed the connection before the answer was ready")
+
+
+async def _disconnect(request: Request) -> None:
+    """Return once the client disconnects (the body was read: receive() has nothing else to give)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def sse(payload: dict[str, Any]) -> str:
