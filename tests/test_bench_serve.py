@@ -21,8 +21,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fw.bench import BenchError
 from fw.bench.prompts import WORDS, calibration_from_counts, make_prompt, sample_lengths, words_for_tokens
 from fw.bench.report import build_report, format_table, percentile, summarize, tpot
-from fw.bench.serve_load import (BenchConfig, RequestResult, SSEDecoder, StreamRecorder, api_url, arrival_offsets,
-                                 benchmark, build_payload, parse_chunk)
+from fw.bench.serve_load import (BenchConfig, RequestResult, StreamRecorder, api_url, arrival_offsets, benchmark,
+                                 build_payload)
+from fw.bench.sse import SSEDecoder, parse_chunk
 from fw.cli.main import build_parser, main
 
 # --- statistics ------------------------------------------------------------------------------------------------

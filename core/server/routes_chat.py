@@ -5,14 +5,13 @@ finish_reason, usage chunk)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from fw.chat import render_chat
 from fw.errors import InvalidRequestError
 from fw.server.convert import chat_logprobs, sampling_params
 from fw.server.protocol import ChatCompletionRequest, ChatMessage, new_id, now
 from fw.server.state import ServerState
-from fw.server.streaming import EventStream, add_all, merged, sse, unless_disconnected
+from fw.server.streaming import merged, respond, sse
 
 router = APIRouter()
 
@@ -59,21 +58,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     params = sampling_params(req, max_tokens, top if req.logprobs else None)
     request_id = new_id("chatcmpl")
     prompt = [(rendered["prompt"], rendered["prompt_token_ids"])]
-    state.admit()
-    try:
-        streams = await add_all(state, prompt, params, request_id)
-    except BaseException:
-        state.release()
-        raise
     job = _Chat(state, req, model, request_id, len(rendered["prompt_token_ids"]), top)
-    if req.stream:
-        return EventStream(state, streams, job.events(streams))
-    try:
-        return JSONResponse(await unless_disconnected(request, job.collect(streams)))
-    finally:
-        for stream in streams:
-            stream.close()  # a no-op for finished requests; aborts any left by a cancelled collect
-        state.release()
+    return await respond(state, request, req.stream, prompt, params, request_id, job)
 
 
 class _Chat:

@@ -4,13 +4,12 @@ prompt logprobs (lm-eval-harness's loglikelihood), streaming with usage."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from fw.errors import InvalidRequestError
 from fw.server.convert import CompletionLogprobs, sampling_params
 from fw.server.protocol import CompletionRequest, new_id, now
 from fw.server.state import ServerState
-from fw.server.streaming import EventStream, add_all, merged, sse, unless_disconnected
+from fw.server.streaming import merged, respond, sse
 
 router = APIRouter()
 
@@ -52,21 +51,8 @@ async def create_completion(req: CompletionRequest, request: Request):
     prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
     params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
     request_id = new_id("cmpl")
-    state.admit()
-    try:
-        streams = await add_all(state, prompts, params, request_id)
-    except BaseException:
-        state.release()
-        raise
     job = _Completion(state, req, model, request_id, prompts)
-    if req.stream:
-        return EventStream(state, streams, job.events(streams))
-    try:
-        return JSONResponse(await unless_disconnected(request, job.collect(streams)))
-    finally:
-        for stream in streams:
-            stream.close()  # a no-op for finished requests; aborts any left by a cancelled collect
-        state.release()
+    return await respond(state, request, req.stream, prompts, params, request_id, job)
 
 
 class _Completion:

@@ -11,7 +11,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from fw.engine.outputs import RequestOutput
 from fw.errors import FwError
@@ -102,6 +102,27 @@ async def _disconnect(request: Request) -> None:
     """Return once the client disconnects (the body was read: receive() has nothing else to give)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def respond(state: ServerState, request: Request, stream: bool,
+                  prompts: list[tuple[str | None, list[int]]], params, request_id: str, job) -> Response:
+    """Admit the request, queue its prompts, then answer: SSE events (`job.events`) or the
+    collected JSON (`job.collect`). The admission slot is released and unfinished engine
+    requests are aborted however the answer ends."""
+    state.admit()
+    try:
+        streams = await add_all(state, prompts, params, request_id)
+    except BaseException:
+        state.release()
+        raise
+    if stream:
+        return EventStream(state, streams, job.events(streams))
+    try:
+        return JSONResponse(await unless_disconnected(request, job.collect(streams)))
+    finally:
+        for s in streams:
+            s.close()  # a no-op for finished requests; aborts any left by a cancelled collect
+        state.release()
 
 
 def sse(payload: dict[str, Any]) -> str:
