@@ -400,7 +400,8 @@ def test_token_ids_in_params_must_be_in_the_vocabulary(llm, bad):
     dict(top_p=0.0), dict(top_p=1.5), dict(n=0), dict(temperature=-0.5), dict(max_tokens=-1),
     dict(min_tokens=5, max_tokens=2), dict(min_p=1.5), dict(repetition_penalty=0.0),
     dict(frequency_penalty=3.0), dict(presence_penalty=-2.5), dict(logprobs=21), dict(prompt_logprobs=-1),
-    dict(stop=[""]), dict(logit_bias={5: 500}),
+    dict(stop=[""]), dict(logit_bias={5: 500}), dict(repetition_penalty=float("inf")),
+    dict(temperature=float("nan")), dict(top_p=float("nan")),
 ])
 def test_bad_sampling_params_are_rejected(bad):
     with pytest.raises(InvalidRequestError) as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,10 @@ class SamplingParams:
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {why}", param=param)
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):  # JSON allows Infinity/NaN; no range check catches NaN
+                raise bad(name, f"must be a finite number, got {getattr(self, name)}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 0:

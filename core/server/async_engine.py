@@ -54,6 +54,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fw-engine", daemon=True)
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fw-tokenizer")
         self.stats: dict[str, Any] = engine.stats()  # refreshed by the engine thread after each step
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -112,7 +113,10 @@ class AsyncEngine:
         self.abort_nowait(request_id)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._call(lambda: self.engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        """Tokenize on a worker thread of its own: a long prompt must not stall the engine's steps."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizer_pool, lambda: self.engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread and await its result (or exception)."""
