@@ -1,4 +1,5 @@
-"""`fw bench`: benchmarks as commands. `fw bench serve` loads any OpenAI-compatible server."""
+"""`fw bench`: benchmarks as commands. `fw bench serve` loads any OpenAI-compatible server;
+`fw bench latency` and `fw bench throughput` measure fw's engine in-process, optionally against transformers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import sys
 
 NAME = "bench"
-HELP = "Benchmarks: `fw bench serve` measures an OpenAI-compatible server (fw, vLLM, TGI, SGLang) under load."
+HELP = ("Benchmarks: `fw bench serve` measures an OpenAI-compatible server (fw, vLLM, TGI, SGLang) under load; "
+        "`fw bench latency` / `fw bench throughput` measure fw in-process against a transformers baseline.")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -18,6 +20,16 @@ def configure(p: argparse.ArgumentParser) -> None:
         description="Send N synthetic streaming requests to an OpenAI-compatible server and report latency "
                     "(TTFT, TPOT, ITL, end-to-end) and throughput. See docs/bench.md.")
     configure_serve(serve)
+    latency = actions.add_parser(
+        "latency", help="One request at a time in-process: TTFT, decode tok/s, end-to-end latency.",
+        description="Offline latency of fw's engine, one request at a time (medians over iterations), "
+                    "optionally against transformers on the same weights. See docs/bench.md.")
+    configure_latency(latency)
+    throughput = actions.add_parser(
+        "throughput", help="All prompts at once in-process: output tok/s, total tok/s, req/s.",
+        description="Offline throughput of fw's engine on N prompts submitted at once, optionally against "
+                    "transformers generate() in static batches. See docs/bench.md.")
+    configure_throughput(throughput)
     p.set_defaults(_bench_help=p.print_help)
 
 
@@ -71,11 +83,71 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _configure_offline(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    from fw.config import add_config_arguments
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--output-len", type=int, default=128, help="Tokens generated per request (default 128).")
+    w.add_argument("--baseline", choices=("none", "transformers"), default="none",
+                   help="Also run the workload on transformers (same weights, dtype, prompts) and print "
+                        "fw/baseline ratios (default none).")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", default=None, help="Write fw's figures, the baseline's and their ratios here.")
+    o.add_argument("--no-progress", action="store_true", help="No progress bars on stderr.")
+    add_config_arguments(p)  # --model, --dtype, --max-batch-size, ... (--seed also seeds the prompts)
+    return w
+
+
+def configure_latency(p: argparse.ArgumentParser) -> None:
+    w = _configure_offline(p)
+    w.add_argument("--input-len", type=int, default=512, help="Prompt length in tokens, exactly (default 512).")
+    w.add_argument("--num-iters", type=int, default=3, help="Measured iterations (default 3).")
+    w.add_argument("--num-iters-warmup", type=int, default=1, help="Unmeasured iterations first (default 1).")
+
+
+def configure_throughput(p: argparse.ArgumentParser) -> None:
+    w = _configure_offline(p)
+    w.add_argument("--num-prompts", type=int, default=64, help="Prompts submitted at once (default 64).")
+    w.add_argument("--input-len", type=int, default=110, help="Mean prompt length in tokens (default 110).")
+    w.add_argument("--input-len-range", type=float, default=0.82,
+                   help="Spread R: prompt lengths uniform in [len*(1-R), len*(1+R)] (default 0.82: 19-201).")
+    w.add_argument("--baseline-batch-size", type=int, default=64,
+                   help="Prompts per transformers generate() call (default 64).")
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.bench_action != "serve":
-        args._bench_help()
-        return 2
-    return run_serve(args)
+    if args.bench_action == "serve":
+        return run_serve(args)
+    if args.bench_action in ("latency", "throughput"):
+        return run_offline(args)
+    args._bench_help()
+    return 2
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    from fw.bench import offline
+    from fw.bench.report import write_json
+    from fw.config import resolve_config
+    from fw.default_model import default_model
+    from fw.llm import LLM
+
+    config = resolve_config(cli=vars(args), config_file=args.config)
+    if config.model is None:
+        config.model = default_model()
+    llm = LLM(**vars(config))
+    common = dict(output_len=args.output_len, baseline=args.baseline == "transformers", seed=config.seed,
+                  progress=not args.no_progress)
+    if args.bench_action == "latency":
+        report = offline.bench_latency(llm, input_len=args.input_len, num_iters=args.num_iters,
+                                       num_iters_warmup=args.num_iters_warmup, **common)
+    else:
+        report = offline.bench_throughput(llm, num_prompts=args.num_prompts, input_len=args.input_len,
+                                          input_len_range=args.input_len_range,
+                                          baseline_batch_size=args.baseline_batch_size, **common)
+    if args.output_json:
+        write_json(report, args.output_json)
+    print(offline.format_table(report))
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:

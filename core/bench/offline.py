@@ -1,0 +1,276 @@
+"""`fw bench latency` and `fw bench throughput`: offline, in-process benchmarks of fw's `LLM`, with the
+same workload optionally run on a transformers baseline (fw.bench.hf_baseline) in the same process.
+
+Prompts are synthetic (fw.bench.prompts' word list), tokenized with the model's tokenizer and cut or
+extended to exactly the requested number of token ids; both fw and the baseline get the same ids.
+Every request generates exactly `output_len` tokens (greedy, EOS ignored on fw's side, min_new_tokens
+on the baseline's). Ratios are fw / baseline for every figure: above 1 is better for fw on a rate
+(tok/s, req/s), worse on a time (TTFT, latency).
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+import torch
+
+from fw.bench import BenchError
+from fw.bench.prompts import make_prompt, sample_lengths
+from fw.bench.report import summarize
+
+# --- prompts ---------------------------------------------------------------------------------------------------
+
+
+def exact_length_ids(tokenizer, length: int, rng: random.Random) -> list[int]:
+    """Token ids of a synthetic prompt, exactly `length` long: words from the list, tokenized without
+    special tokens, extended until long enough, then truncated."""
+    if length < 1:
+        raise BenchError(f"prompt length must be at least 1, got {length}")
+    ids: list[int] = []
+    while len(ids) < length:
+        text = make_prompt(length - len(ids), rng)  # a word is at least one token, so one round mostly does
+        more = tokenizer.encode((" " if ids else "") + text, add_special_tokens=False)
+        if not more:
+            raise BenchError("the tokenizer turns the prompt words into no tokens")
+        ids.extend(more)
+    return ids[:length]
+
+
+def make_prompts(tokenizer, lengths: Sequence[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [exact_length_ids(tokenizer, n, rng) for n in lengths]
+
+
+def throughput_lengths(input_len: int, input_len_range: float, num_prompts: int, seed: int) -> list[int]:
+    """Prompt lengths uniform over [len*(1-r), len*(1+r)], as `fw bench serve` and vLLM's random dataset."""
+    try:
+        return sample_lengths(input_len, input_len_range, num_prompts, random.Random(seed))
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+
+
+# --- fw --------------------------------------------------------------------------------------------------------
+
+
+def fw_params(output_len: int):
+    from fw.sampling.params import SamplingParams
+
+    return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+
+
+def fw_latency_iteration(llm, prompt: list[int], output_len: int) -> dict[str, Any]:
+    """One streamed request: TTFT = first token's arrival - start; decode tok/s = (n-1) / (last - first)."""
+    params = fw_params(output_len)
+    stamps: list[float] = []
+    start = time.perf_counter()
+    for out in llm.stream(prompt, params):
+        now = time.perf_counter()
+        stamps.extend([now] * len(out.outputs[0].token_ids))
+    end = time.perf_counter()
+    if not stamps:
+        raise BenchError("fw generated no tokens")
+    span = stamps[-1] - stamps[0]
+    return {"ttft_s": stamps[0] - start, "e2e_s": end - start, "output_tokens": len(stamps),
+            "decode_tok_s": (len(stamps) - 1) / span if len(stamps) > 1 and span > 0 else None}
+
+
+def fw_throughput(llm, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    """All prompts to `LLM.generate` at once (continuous batching does the rest)."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, fw_params(output_len))
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+# --- runs ------------------------------------------------------------------------------------------------------
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False)
+
+
+def run_iterations(measure, prompts: list[list[int]], warmup: int, desc: str, progress: bool) -> list[dict]:
+    """`measure(prompt)` for each prompt; the first `warmup` results are dropped."""
+    results = []
+    with progress_bar(len(prompts), desc, progress) as bar:
+        for prompt in prompts:
+            results.append(measure(prompt))
+            bar.update(1)
+    return results[warmup:]
+
+
+def latency_summary(iterations: list[dict]) -> dict[str, Any]:
+    """Medians over iterations (ms and tok/s), with the full statistics and the raw iterations."""
+    ttft = [r["ttft_s"] * 1000 for r in iterations]
+    e2e = [r["e2e_s"] * 1000 for r in iterations]
+    decode = [r["decode_tok_s"] for r in iterations if r["decode_tok_s"] is not None]
+    return {
+        "ttft_ms": statistics.median(ttft),
+        "decode_tok_s": statistics.median(decode) if decode else None,
+        "e2e_ms": statistics.median(e2e),
+        "output_tokens": iterations[0]["output_tokens"],
+        "stats": {"ttft_ms": summarize(ttft), "decode_tok_s": summarize(decode), "e2e_ms": summarize(e2e)},
+        "iterations": iterations,
+    }
+
+
+def throughput_summary(measured: dict[str, float], num_prompts: int, input_tokens: int) -> dict[str, Any]:
+    elapsed = measured["elapsed_s"]
+    out = measured["output_tokens"]
+    return {"elapsed_s": elapsed, "num_prompts": num_prompts, "input_tokens": input_tokens, "output_tokens": out,
+            "request_throughput": num_prompts / elapsed, "output_throughput": out / elapsed,
+            "total_token_throughput": (input_tokens + out) / elapsed}
+
+
+LATENCY_METRICS = (("ttft_ms", "TTFT (ms, median)"), ("decode_tok_s", "Decode (tok/s, median)"),
+                   ("e2e_ms", "E2E latency (ms, median)"))
+THROUGHPUT_METRICS = (("output_throughput", "Output (tok/s)"), ("total_token_throughput", "Total (tok/s)"),
+                      ("request_throughput", "Requests (req/s)"), ("elapsed_s", "Elapsed (s)"),
+                      ("output_tokens", "Output tokens"))
+
+
+def ratios(fw: dict, baseline: dict | None, keys: Sequence[str]) -> dict[str, float | None] | None:
+    """fw / baseline for each key (None where either is missing or the baseline is 0)."""
+    if baseline is None:
+        return None
+    return {k: fw[k] / baseline[k] if fw.get(k) is not None and baseline.get(k) else None for k in keys}
+
+
+def environment(llm) -> dict[str, Any]:
+    import transformers
+
+    from fw.version import __version__
+
+    return {"fw_version": __version__, "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__, "python_version": platform.python_version(),
+            "num_threads": torch.get_num_threads(), "device": str(llm.engine.loaded.device),
+            "platform": platform.platform()}
+
+
+def model_info(llm) -> dict[str, Any]:
+    loaded = llm.engine.loaded
+    return {"model": loaded.source.name, "model_path": str(loaded.source.path), "model_kind": loaded.source.kind,
+            "dtype": str(loaded.dtype).removeprefix("torch."), "attention_backend": loaded.attention.chosen.name}
+
+
+class Baseline:
+    """The transformers model on fw's weights, dtype and device, loaded once per run."""
+
+    def __init__(self, llm, progress: bool = True):
+        from fw.bench import hf_baseline
+
+        if not progress:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # its GGUF conversion bar
+
+        loaded = llm.engine.loaded
+        self.hf = hf_baseline
+        self.model = hf_baseline.load_model(loaded.source, loaded.dtype, loaded.device)
+        self.pad_id = hf_baseline.pad_token_id(self.model, llm.tokenizer)
+
+    def describe(self) -> dict[str, Any]:
+        return self.hf.describe(self.model)
+
+
+def warm_up(llm, baseline: Baseline | None, prompt: list[int]) -> None:
+    """A few tokens through each, so one-time costs (allocations, kernel selection) stay out of the figures."""
+    llm.generate([prompt], fw_params(2))
+    if baseline is not None:
+        baseline.hf.generate(baseline.model, [prompt], 2, baseline.pad_id)
+
+
+def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_iters_warmup: int,
+                  baseline: bool, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+    """One request at a time, `num_iters_warmup + num_iters` times, each with its own prompt (a repeated
+    prompt would be served from fw's prefix cache); medians over the measured iterations."""
+    if num_iters < 1 or num_iters_warmup < 0 or output_len < 1:
+        raise BenchError("--num-iters and --output-len must be at least 1, --num-iters-warmup at least 0")
+    prompts = make_prompts(llm.tokenizer, [input_len] * (num_iters_warmup + num_iters), seed)
+    fw_runs = run_iterations(lambda p: fw_latency_iteration(llm, p, output_len), prompts, num_iters_warmup,
+                             "fw", progress)
+    fw = latency_summary(fw_runs)
+    base = base_info = None
+    if baseline:
+        hf = Baseline(llm, progress)
+        base_info = hf.describe()
+        base_runs = run_iterations(lambda p: hf.hf.latency_iteration(hf.model, p, output_len, hf.pad_id),
+                                   prompts, num_iters_warmup, "transformers", progress)
+        base = latency_summary(base_runs)
+    keys = [k for k, _ in LATENCY_METRICS]
+    return {"benchmark": "latency", **model_info(llm),
+            "workload": {"input_len": input_len, "output_len": output_len, "num_iters": num_iters,
+                         "num_iters_warmup": num_iters_warmup, "seed": seed},
+            "environment": environment(llm), "fw": fw, "baseline": base, "baseline_info": base_info,
+            "ratios": ratios(fw, base, keys)}
+
+
+def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: float, output_len: int,
+                     baseline: bool, baseline_batch_size: int = 64, seed: int = 0,
+                     progress: bool = True) -> dict[str, Any]:
+    """All prompts to fw at once; the baseline in static batches of `baseline_batch_size`."""
+    if num_prompts < 1 or output_len < 1 or baseline_batch_size < 1:
+        raise BenchError("--num-prompts, --output-len and --baseline-batch-size must be at least 1")
+    lengths = throughput_lengths(input_len, input_len_range, num_prompts, seed)
+    prompts = make_prompts(llm.tokenizer, lengths, seed)
+    input_tokens = sum(lengths)
+    hf = Baseline(llm, progress) if baseline else None
+    warm_up(llm, hf, make_prompts(llm.tokenizer, [min(16, input_len)], seed + 1)[0])
+    if progress:
+        print(f"fw: {num_prompts} prompts x {output_len} tokens ...", file=sys.stderr)
+    fw = throughput_summary(fw_throughput(llm, prompts, output_len), num_prompts, input_tokens)
+    base = None
+    if hf is not None:
+        with progress_bar(num_prompts, "transformers", progress) as bar:
+            measured = hf.hf.throughput(hf.model, prompts, output_len, baseline_batch_size, hf.pad_id, bar)
+        base = throughput_summary(measured, num_prompts, input_tokens)
+    keys = [k for k, _ in THROUGHPUT_METRICS]
+    return {"benchmark": "throughput", **model_info(llm),
+            "workload": {"num_prompts": num_prompts, "input_len": input_len, "input_len_range": input_len_range,
+                         "min_input_len": min(lengths), "max_input_len": max(lengths), "output_len": output_len,
+                         "baseline_batch_size": baseline_batch_size, "seed": seed},
+            "environment": environment(llm), "fw": fw, "baseline": base,
+            "baseline_info": hf.describe() if hf else None, "ratios": ratios(fw, base, keys)}
+
+
+# --- output ----------------------------------------------------------------------------------------------------
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """fw, baseline and fw/baseline side by side."""
+    metrics = LATENCY_METRICS if report["benchmark"] == "latency" else THROUGHPUT_METRICS
+    base_name = report["baseline_info"]["name"] if report["baseline_info"] else "baseline"
+    width = 72
+    w = report["workload"]
+    env = report["environment"]
+    if report["benchmark"] == "latency":
+        workload = (f"1 request, {w['input_len']} in / {w['output_len']} out, "
+                    f"{w['num_iters']} iterations ({w['num_iters_warmup']} warm-up)")
+    else:
+        workload = (f"{w['num_prompts']} prompts, {w['min_input_len']}-{w['max_input_len']} in / "
+                    f"{w['output_len']} out; baseline batch {w['baseline_batch_size']}")
+    lines = ["{:=^{w}}".format(f" Offline {report['benchmark'].title()} Benchmark ", w=width),
+             f"Model: {report['model']} ({report['dtype']}, {env['device']}, {env['num_threads']} threads)",
+             f"Workload: {workload}",
+             "-" * width,
+             f"{'metric':<28}{'fw':>14}{base_name:>16}{'fw/' + base_name[:6]:>14}"]
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+    base = report["baseline"] or {}
+    ratio = report["ratios"] or {}
+    for key, label in metrics:
+        lines.append(f"{label:<28}{cell(report['fw'].get(key)):>14}{cell(base.get(key)):>16}"
+                     f"{cell(ratio.get(key)):>14}")
+    lines.append("=" * width)
+    return "\n".join(lines)
