@@ -1,8 +1,11 @@
 """The `sdpa` attention backend: torch's scaled_dot_product_attention over the
 paged KV cache, on CPU and CUDA. It is the reference other backends are tested
 against, so it favours clarity: each step gathers the pages a sequence uses
-into a contiguous K/V view; all decodes run as one padded batch, each prefill
-chunk as its own causal attention (offset by its cached prefix)."""
+into a contiguous K/V view; each prefill chunk runs as its own causal
+attention (offset by its cached prefix). All decodes run as one padded batch
+of grouped matmuls (query heads grouped by their KV head, softmax in fp32):
+for one-token queries torch's CPU flash kernel was 6x slower in bf16 (12.0 vs
+2.0 ms for 64 sequences of 336 keys) and no faster in fp32."""
 
 from __future__ import annotations
 
@@ -70,9 +73,7 @@ class SdpaBackend(AttentionBackend):
         if d:
             keys = self._gather(k_cache, state.decode_blocks)  # [Bd, Hkv, L, D]
             values = self._gather(v_cache, state.decode_blocks)
-            out[:d] = F.scaled_dot_product_attention(
-                q[:d].unsqueeze(2), keys, values, attn_mask=state.decode_mask, scale=self.scale, enable_gqa=gqa
-            ).squeeze(2)
+            out[:d] = self._decode(q[:d], keys, values, state.decode_mask)
         for pf in state.prefills:
             keys = self._gather(k_cache, pf.blocks.unsqueeze(0))[:, :, : pf.seq_len]
             values = self._gather(v_cache, pf.blocks.unsqueeze(0))[:, :, : pf.seq_len]
@@ -82,6 +83,14 @@ class SdpaBackend(AttentionBackend):
             )
             out[pf.start: pf.start + pf.query_len] = attn.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query token per sequence: q [B, H, D], keys/values [B, Hkv, L, D], mask [B, 1, 1, L]."""
+        b, group = q.shape[0], self.num_heads // self.num_kv_heads
+        grouped = q.view(b, self.num_kv_heads, group, self.head_dim)  # head h reads KV head h // group
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).view(b, self.num_heads, self.head_dim)
 
     @staticmethod
     def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
