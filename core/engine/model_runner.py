@@ -29,11 +29,9 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.kv_caches = []
         for layer in self.layers:
             shape = attention_backend.kv_cache_shape(num_blocks, page_size, layer.num_kv_heads, layer.head_dim)
             layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-            self.kv_caches.append(layer.kv_cache)
 
     @staticmethod
     def kv_bytes_per_block(model: nn.Module, backend: type, page_size: int, dtype: torch.dtype) -> int:

@@ -8,7 +8,7 @@ into the list of reasons it cannot serve it (empty: it can).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal
 
 KINDS = ("architecture", "attention_backend", "quantization_method", "sampler", "grammar_backend", "cli_command")
 
@@ -169,10 +169,6 @@ class CliCommandSpec:
 
 
 Spec = ArchitectureSpec | AttentionBackendSpec | QuantizationMethodSpec | SamplerSpec | GrammarBackendSpec | CliCommandSpec
-
-
-def names(specs: Sequence[Any]) -> list[str]:
-    return sorted(s.name for s in specs)
 
 
 __all__ = [

@@ -22,15 +22,15 @@ class SampleResult:
 class SamplerPipeline:
     def __init__(self, registry: Registry, choice: str):
         specs = list(registry)
-        self.stages = [s.factory() for s in sorted((s for s in specs if s.role == "stage"), key=lambda s: s.order)]
-        self.stage_names = [s.name for s in sorted((s for s in specs if s.role == "stage"), key=lambda s: s.order)]
+        stage_specs = sorted((s for s in specs if s.role == "stage"), key=lambda s: s.order)
+        self.stages = [s.factory() for s in stage_specs]
+        self.stage_names = [s.name for s in stage_specs]
         choices = {s.name: s for s in specs if s.role == "choice"}
         if choice not in choices:
             raise ConfigError(
                 f"--sampling-backend {choice!r} is not a registered final-choice sampler; "
                 f"available: {', '.join(sorted(choices)) or '(none: is the built-in samplers plugin disabled?)'}"
             )
-        self.choice_name = choice
         self.chooser = choices[choice].factory()
 
     @torch.inference_mode()

@@ -46,9 +46,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput], float], None] | None = None):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -65,9 +64,6 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
-
-    def num_in_flight(self) -> int:
-        return len(self._streams)
 
     async def drain(self, timeout: float) -> None:
         """Wait (bounded) for requests in flight to finish, then abort the rest and stop."""
@@ -137,7 +133,6 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
                 continue
-            started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # keep serving: fail only the requests that were in the step
@@ -151,8 +146,6 @@ class AsyncEngine:
                     if out.finished:
                         del self._streams[out.request_id]
             self.stats = self.engine.stats()
-            if self._on_step is not None:
-                self._on_step(outputs, time.monotonic() - started)
         self._drain_commands()
 
     def _drain_commands(self) -> bool:
