@@ -140,16 +140,26 @@ def test_measures_the_servers_timing_and_counts_429s():
     assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["temperature"] == 0
                for b in state["bodies"])
 
-    # 5 chunks of 2 tokens: TTFT, 4 gaps of ITL; usage says 10 tokens, so TPOT = 4 * ITL / 9
-    ms = 1000
-    assert TTFT * ms <= report["ttft_ms"]["median"] < TTFT * ms + 60
-    assert ITL * ms * 0.9 <= report["itl_ms"]["median"] < ITL * ms + 30
+    # 5 chunks of 2 tokens: TTFT, then 4 gaps of ITL. The server sleeps, so these are hard lower bounds;
+    # a loaded CI machine only stretches them, so the upper bounds are loose and the exact checks are
+    # structural: each request's TTFT + ITLs add up to its E2E latency, and TPOT is derived from them.
+    ms, slow = 1000, 4.0
+    ok = [r for r in report["requests"] if r["success"]]
+    for r in ok:
+        assert len(r["itl"]) == 4 and r["output_tokens"] == 10
+        assert r["ttft"] >= TTFT and min(r["itl"]) >= ITL * 0.9
+        assert r["ttft"] + sum(r["itl"]) <= r["latency"] + 1e-9
+        assert r["latency"] - r["ttft"] - sum(r["itl"]) < 2 * ITL  # E2E ends at the last token, not long after
+    assert TTFT * ms <= report["ttft_ms"]["median"] < TTFT * ms * slow
+    assert ITL * ms * 0.9 <= report["itl_ms"]["median"] < ITL * ms * slow
     assert report["output_tokens_source"] == "usage" and report["total_output_tokens"] == 60
-    assert report["tpot_ms"]["median"] == pytest.approx(4 * ITL * ms / 9, rel=0.4)
+    tpots = sorted((r["latency"] - r["ttft"]) / 9 * ms for r in ok)
+    assert report["tpot_ms"]["median"] == pytest.approx((tpots[2] + tpots[3]) / 2)
+    assert 4 * ITL * ms / 9 * 0.9 <= report["tpot_ms"]["median"]
     e2e = TTFT + 4 * ITL
-    assert e2e * ms <= report["e2el_ms"]["median"] < e2e * ms + 100
+    assert e2e * ms <= report["e2el_ms"]["median"] < e2e * ms * slow
     # two waves of at most 4 (the refused ones free their slot at once)
-    assert 2 * e2e * 0.95 <= report["duration_s"] < 2 * e2e + 1.0
+    assert 2 * e2e * 0.95 <= report["duration_s"] < 2 * e2e * slow
     assert report["request_throughput"] == pytest.approx(6 / report["duration_s"])
     assert report["output_throughput"] == pytest.approx(60 / report["duration_s"])
     assert report["total_token_throughput"] == pytest.approx(
@@ -200,7 +210,7 @@ def test_request_rate_spreads_the_starts():
                                        seed=5))
     expected = arrival_offsets(6, 20.0, 1.0, random.Random(5 + 1))
     starts = [r["start"] for r in report["requests"]]
-    assert all(0 <= s - e < 0.08 for s, e in zip(starts, expected)), (starts, expected)
+    assert all(0 <= s - e < 0.5 for s, e in zip(starts, expected)), (starts, expected)  # late only on a loaded machine
 
 
 def test_timeouts_are_failures_and_the_run_still_ends():
