@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fw.layers import Attention, Linear, ModelContext, RMSNorm, RotaryEmbedding, apply_rotary, load_named_weights
+from fw.layers import (Attention, Linear, ModelContext, RMSNorm, RotaryEmbedding, apply_rotary, dense_linear,
+                       load_named_weights, pack_dense_weight)
 from fw.plugins import ArchitectureSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
@@ -107,18 +108,25 @@ class LlamaForCausalLM(nn.Module):
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
+        self.device = ctx.device
+        self.tied_head: torch.Tensor | None = None  # the embedding packed for CPU matmuls, after loading
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tie:
-            return F.linear(hidden, self.model.embed_tokens.weight)
+            head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
+            return dense_linear(hidden, head)
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.tie else ())
-        return load_named_weights(self, weights, fused=self.FUSED, skip=skip)
+        loaded = load_named_weights(self, weights, fused=self.FUSED, skip=skip)
+        if self.tie:
+            packed = pack_dense_weight(self.model.embed_tokens.weight.data, self.device)
+            self.tied_head = packed if packed.is_mkldnn else None
+        return loaded
 
 
 def unpermute_gguf_qk(name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:

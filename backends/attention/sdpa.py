@@ -32,12 +32,19 @@ class _Prefill:
 @dataclass
 class _State:
     num_decodes: int
-    decode_blocks: torch.Tensor | None  # [Bd, max_blocks]
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool
+    decode_blocks: torch.Tensor | None  # [Bd * max_blocks], flat
+    decode_mask: torch.Tensor | None  # [1, Bd, 1, L] bool
     prefills: list[_Prefill]
+    decode_rows: torch.Tensor | None = None  # decode_blocks as rows of the cache's 2-D view
 
 
 class SdpaBackend(AttentionBackend):
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """[2 (K, V), kv heads, pages, page_size, head dim]: head-major, so the pages of a sequence
+        gather into [Hkv, L, D] with one index_select and no transposed copy."""
+        return (2, num_kv_heads, num_blocks, page_size, head_dim)
+
     @classmethod
     def prepare(cls, meta: AttentionMetadata) -> _State:
         p = meta.page_size
@@ -45,9 +52,9 @@ class SdpaBackend(AttentionBackend):
         decode_blocks = decode_mask = None
         if d:
             used = -(-max(meta.seq_lens[:d]) // p)
-            decode_blocks = meta.block_tables[:d, :used]
+            decode_blocks = meta.block_tables[:d, :used].reshape(-1)
             positions = torch.arange(used * p, device=meta.block_tables.device)
-            decode_mask = (positions.unsqueeze(0) < meta.seq_lens_tensor[:d].unsqueeze(1))[:, None, None, :]
+            decode_mask = (positions.unsqueeze(0) < meta.seq_lens_tensor[:d].unsqueeze(1))[None, :, None, :]
         prefills = []
         starts = meta.query_start_loc.tolist()
         for i in range(d, meta.num_seqs):
@@ -61,22 +68,24 @@ class SdpaBackend(AttentionBackend):
         return _State(d, decode_blocks, decode_mask, prefills)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [pages, page_size, Hkv, D]
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [Hkv, pages, page_size, D]
+        hkv, d_head = self.num_kv_heads, self.head_dim
+        k_cache.view(hkv, -1, d_head).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(hkv, -1, d_head).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         state: _State = meta.backend_state
         gqa = self.num_heads != self.num_kv_heads
         out = torch.empty_like(q)
         d = state.num_decodes
         if d:
-            keys = self._gather(k_cache, state.decode_blocks)  # [Bd, Hkv, L, D]
-            values = self._gather(v_cache, state.decode_blocks)
+            if state.decode_rows is None:  # the same for every layer: computed by the first
+                state.decode_rows = self._rows(k_cache, state.decode_blocks)
+            keys = self._gather(k_cache, state.decode_rows, d)  # [Hkv, Bd, L, D]
+            values = self._gather(v_cache, state.decode_rows, d)
             out[:d] = self._decode(q[:d], keys, values, state.decode_mask)
         for pf in state.prefills:
-            keys = self._gather(k_cache, pf.blocks.unsqueeze(0))[:, :, : pf.seq_len]
-            values = self._gather(v_cache, pf.blocks.unsqueeze(0))[:, :, : pf.seq_len]
+            rows = self._rows(k_cache, pf.blocks)
+            keys = self._gather(k_cache, rows, 1)[:, 0, : pf.seq_len].unsqueeze(0)  # [1, Hkv, k, D]
+            values = self._gather(v_cache, rows, 1)[:, 0, : pf.seq_len].unsqueeze(0)
             query = q[pf.start: pf.start + pf.query_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             attn = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=pf.mask, is_causal=pf.mask is None, scale=self.scale, enable_gqa=gqa
@@ -85,19 +94,28 @@ class SdpaBackend(AttentionBackend):
         return out
 
     def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One query token per sequence: q [B, H, D], keys/values [B, Hkv, L, D], mask [B, 1, 1, L]."""
+        """One query token per sequence: q [B, H, D], keys/values [Hkv, B, L, D], mask [1, B, 1, L]."""
         b, group = q.shape[0], self.num_heads // self.num_kv_heads
-        grouped = q.view(b, self.num_kv_heads, group, self.head_dim)  # head h reads KV head h // group
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scale
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).view(b, self.num_heads, self.head_dim)
+        # head h reads KV head h // group: [Hkv, B, group, D]
+        grouped = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, group, L]
+        probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
     @staticmethod
-    def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """Pages [B, n] -> contiguous [B, Hkv, n * page_size, D]."""
-        b, n = blocks.shape
-        pages = cache[blocks]  # [B, n, page, Hkv, D]
-        return pages.reshape(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+    def _rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Rows of the cache's 2-D (head * page, page_size * D) view that hold `blocks`, head-major."""
+        hkv, pages = cache.shape[0], cache.shape[1]
+        return (torch.arange(hkv, device=blocks.device).unsqueeze(1) * pages + blocks).reshape(-1)
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+        """Cache rows from `_rows` (`batch` sequences of equally many pages) -> contiguous [Hkv, batch, L, D].
+
+        One index_select over a 2-D view: 2-4x faster on CPU than index_select along dim 1 of the
+        4-D cache, or advanced indexing."""
+        gathered = cache.view(cache.shape[0] * cache.shape[1], -1).index_select(0, rows)
+        return gathered.view(cache.shape[0], batch, -1, cache.shape[-1])
 
 
 @hookimpl

@@ -7,6 +7,7 @@ numerics so parity tests hold.
 
 from fw.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from fw.layers.context import ModelContext
+from fw.layers.dense import dense_linear, pack_dense_weight
 from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod
 from fw.layers.norm import RMSNorm
 from fw.layers.rotary import RotaryEmbedding, apply_rotary
@@ -17,6 +18,8 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "ModelContext",
+    "dense_linear",
+    "pack_dense_weight",
     "Linear",
     "LinearMethod",
     "UnquantizedLinearMethod",

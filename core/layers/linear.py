@@ -8,8 +8,9 @@ lists them, and the checkpoint's separate tensors load into their slices.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from fw.layers.dense import dense_linear, pack_dense_weight
 
 
 class LinearMethod:
@@ -53,8 +54,13 @@ class UnquantizedLinearMethod(LinearMethod):
             torch.empty(sum(layer.output_sizes), layer.input_size, dtype=layer.params_dtype), requires_grad=False
         )
 
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        packed = pack_dense_weight(layer.weight.data, layer.device)
+        if packed is not layer.weight.data:
+            layer.weight = nn.Parameter(packed, requires_grad=False)
+
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return dense_linear(x, layer.weight, layer.bias)
 
 
 class Linear(nn.Module):
@@ -74,6 +80,7 @@ class Linear(nn.Module):
         self.output_size = sum(self.output_sizes)
         self.prefix = prefix
         self.params_dtype = ctx.dtype
+        self.device = ctx.device  # where the model will run (it is built and loaded on the CPU)
         self.method = ctx.linear_method_for(prefix)
         self.method.create_weights(self)
         if bias:
