@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fw.layers import (Attention, Linear, ModelContext, RMSNorm, RotaryEmbedding, apply_rotary, dense_linear,
-                       load_named_weights, pack_dense_weight)
+from fw.layers import (Attention, Linear, ModelContext, RMSNorm, RotaryEmbedding, dense_linear, load_named_weights,
+                       pack_dense_weight, rotate_heads)
 from fw.plugins import ArchitectureSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
@@ -33,8 +33,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ctx)
 
     def forward(self, x: torch.Tensor, cos_sin, meta) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = apply_rotary(q, k, cos_sin, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk = rotate_heads(qkv[:, : self.q_size + self.kv_size], cos_sin, self.head_dim)  # q and k in one go
+        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        v = qkv[:, self.q_size + self.kv_size:]
         return self.o_proj(self.attn(q, k, v, meta))
 
 

@@ -10,7 +10,7 @@ from fw.layers.context import ModelContext
 from fw.layers.dense import dense_linear, pack_dense_weight
 from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod
 from fw.layers.norm import RMSNorm
-from fw.layers.rotary import RotaryEmbedding, apply_rotary
+from fw.layers.rotary import RotaryEmbedding, apply_rotary, rotate_heads
 from fw.layers.weights import default_weight_loader, load_named_weights
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "apply_rotary",
+    "rotate_heads",
     "default_weight_loader",
     "load_named_weights",
 ]

@@ -46,9 +46,14 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], head_dim: int):
     """q: [T, H*D], k: [T, Hkv*D] -> the same, rotated (rotate-half layout)."""
+    return rotate_heads(q, cos_sin, head_dim), rotate_heads(k, cos_sin, head_dim)
+
+
+def rotate_heads(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> torch.Tensor:
+    """x: [T, N*D], any number of heads N -> rotated. Rotating q and k as one [T, (H+Hkv)*D] slice of
+    the fused qkv output halves the ops per layer, which is most of a small model's decode step."""
     cos, sin = cos_sin
-    rotary_dim = cos.shape[-1]
-    return _apply(q, cos, sin, head_dim, rotary_dim), _apply(k, cos, sin, head_dim, rotary_dim)
+    return _apply(x, cos, sin, head_dim, cos.shape[-1])
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
