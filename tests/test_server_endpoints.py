@@ -18,7 +18,7 @@ NAMES = ["tiny-a", "tiny-b"]
 
 @pytest.fixture(scope="module")
 def server(gqa_dir, tmp_path_factory):
-    args = ["--model", str(gqa_dir), "--num-kv-blocks", "64", "--dtype", "float32"]
+    args = ["--model", str(gqa_dir), "--num-kv-blocks", "64", "--dtype", "float32", "--attention-backend", "sdpa"]
     for name in NAMES:
         args += ["--served-model-name", name]
     with running_server(args, tmp_path_factory.mktemp("tiny_endpoints"), env={"FW_API_KEY": KEY}) as s:

@@ -305,7 +305,8 @@ def test_64_concurrent_streams_match_sequential_and_are_counted(client, model, s
         assert finish == ref.choices[0].finish_reason
         assert usage["completion_tokens"] == ref.usage.completion_tokens
     after = server.metrics_text()
-    labels = {"model_name": model, "attention_backend": "sdpa"}
+    backend = re.search(r'attention_backend="([^"]+)"', after).group(1)  # whichever auto-selection chose
+    labels = {"model_name": model, "attention_backend": backend}
     assert metric(after, "fw_request_success_total", **labels) - metric(before, "fw_request_success_total",
                                                                          **labels) == 64
     generated = sum(usage["completion_tokens"] for _, (_, usage, _) in results)
