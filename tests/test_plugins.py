@@ -308,19 +308,20 @@ def test_allow_and_block_lists(example_site, monkeypatch, capsys):
         assert all(r["provides"] == {} for r in rows.values() if r["status"] == "disabled")
         return {name for name, r in rows.items() if r["status"] == "loaded"}
 
-    assert {"llama", "sdpa", "samplers", "example"} <= listed()
+    builtin = {"llama", "sdpa", "cpu_paged", "samplers"}
+    assert builtin | {"example"} <= listed()
     monkeypatch.setenv("FW_DISABLE_PLUGINS", "example")
-    assert listed() == {"llama", "sdpa", "samplers"}
+    assert listed() == builtin
     assert rows["example"]["status"] == "disabled" and rows["example"]["distribution"] == "fw-example-plugin"
     monkeypatch.setenv("FW_DISABLE_PLUGINS", "fw-example-plugin, sdpa")  # distribution names work too
-    assert listed() == {"llama", "samplers"}
+    assert listed() == builtin - {"sdpa"}
     monkeypatch.delenv("FW_DISABLE_PLUGINS")
     monkeypatch.setenv("FW_PLUGINS", "example,samplers")
     assert listed() == {"example", "samplers"}
     monkeypatch.setenv("FW_PLUGINS", "fw")  # a distribution: all of its plugins
-    assert listed() == {"llama", "sdpa", "samplers"}
+    assert listed() == builtin
     monkeypatch.setenv("FW_DISABLE_PLUGINS", "llama")  # the block-list wins over the allow-list
-    assert listed() == {"sdpa", "samplers"}
+    assert listed() == builtin - {"llama"}
 
 
 # -- plugin API version -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fw.errors import ModelLoadError
+from fw.paths import cache_dir
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -145,11 +146,7 @@ class GGUFModel:
             yield hf_tensor_name(t.name), tensor
 
 
-def fw_cache_dir() -> Path:
-    return Path(os.environ.get("FW_CACHE_DIR") or Path.home() / ".cache" / "fw")
-
-
 def _tokenizer_cache_dir(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    return fw_cache_dir() / "gguf-tokenizers" / key
+    return cache_dir() / "gguf-tokenizers" / key

@@ -1,0 +1,101 @@
+"""The `cpu_paged` backend: its C++ decode kernel against a gather + fp32-softmax reference over
+ragged, shuffled block tables, then whole engines against transformers, and auto-selection
+(picked on CPU, skipped with the reason when it cannot be built)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_llm
+from fw import SamplingParams
+from fw.backends.attention import cpu_paged
+from plugin_fixtures import builtin_manager, greedy, small_llm
+
+pytestmark = pytest.mark.skipif(cpu_paged._missing_toolchain() is not None,
+                                reason="no C++ toolchain to build the cpu_paged kernel")
+
+
+def reference(q, k_cache, v_cache, tables, seq_lens, scale):
+    """Gather each sequence's positions page by page, attend in fp32."""
+    b, h, d = q.shape
+    hkv, _, page, _ = k_cache.shape
+    out = torch.empty_like(q)
+    for i in range(b):
+        pos = torch.arange(int(seq_lens[i]))
+        pages, offsets = tables[i][pos // page], pos % page
+        keys = k_cache[:, pages, offsets].float().repeat_interleave(h // hkv, 0)  # [H, L, D]
+        values = v_cache[:, pages, offsets].float().repeat_interleave(h // hkv, 0)
+        probs = (torch.einsum("hd,hld->hl", q[i].float(), keys) * scale).softmax(-1)
+        out[i] = torch.einsum("hl,hld->hd", probs, values).to(q.dtype)
+    return out
+
+
+CASES = [  # (dtype, tolerance)
+    (torch.float32, 1e-5),
+    (torch.bfloat16, 2e-2),
+    (torch.float16, 5e-3),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", CASES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (4, 4, 32), (6, 2, 40)], ids=["gqa", "mha", "d40"])
+@pytest.mark.parametrize("page", [4, 16])
+@pytest.mark.parametrize("batch", [1, 7])
+def test_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim, page, batch):
+    gen = torch.Generator().manual_seed(page * 100 + batch)
+    num_pages, max_blocks = 48, 12
+    k_cache = torch.randn(kv_heads, num_pages, page, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_pages, page, head_dim, generator=gen).to(dtype)
+    # ragged: one token, exactly one page, a partial last page, several pages
+    lens = [1, page, page + 1, 3 * page - 1, 5, 2 * page, 37][:batch] if batch > 1 else [2 * page + 3]
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int64)  # zeros pad beyond the used pages
+    for i, n in enumerate(lens):
+        used = -(-n // page)
+        tables[i, :used] = torch.randperm(num_pages, generator=gen)[:used]  # shuffled, non-consecutive
+    # q as a strided view, the way attention layers slice it out of a fused projection
+    q = torch.randn(batch, heads, head_dim * 2, generator=gen).to(dtype)[..., :head_dim]
+    out = torch.full_like(q, float("nan")).contiguous()
+    scale = head_dim ** -0.5
+    cpu_paged.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, out)
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, tables, seq_lens, scale).float(),
+                               atol=tol, rtol=tol)
+
+
+# -- whole engines ------------------------------------------------------------------------------------
+
+PROMPTS = ["a", "Hello world", "The engine schedules every request in pages of keys and values.",
+           "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("layout", [{}, {"kv_cache_page_size": 4}], ids=["page16", "page4"])
+def test_engine_matches_transformers(layout, gqa_dir, hf_model, tokenizer):
+    from test_parity import hf_greedy
+
+    llm = make_llm(gqa_dir, attention_backend="cpu_paged", **layout)
+    assert llm.engine.loaded.attention.chosen.name == "cpu_paged"
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                   logprobs=1))
+    hf = hf_model(gqa_dir)
+    for out in outputs:
+        tokens, logprobs = hf_greedy(hf, out.prompt_token_ids, NEW_TOKENS)
+        got = out.outputs[0]
+        assert got.token_ids == tokens, out.prompt
+        for entry, token, ref in zip(got.logprobs, got.token_ids, logprobs):
+            assert abs(entry[token].logprob - ref[token].item()) < 1e-3
+
+
+@pytest.mark.usefixtures("isolated_plugins")
+def test_auto_picks_cpu_paged_and_falls_back_when_unbuildable(gqa_dir, monkeypatch):
+    manager = builtin_manager()
+    llm = small_llm(str(gqa_dir), plugins=manager)
+    assert llm.engine.loaded.attention.chosen.name == "cpu_paged"
+    tokens = llm.generate("hello", greedy(max_tokens=4))[0].outputs[0].token_ids
+
+    monkeypatch.setattr(cpu_paged.shutil, "which", lambda name: None)  # no compiler on PATH
+    fallback = small_llm(str(gqa_dir), plugins=manager)
+    assert fallback.engine.loaded.attention.chosen.name == "sdpa"
+    assert "no C++ compiler" in " ".join(fallback.engine.loaded.attention.rejected["cpu_paged"])
+    assert fallback.generate("hello", greedy(max_tokens=4))[0].outputs[0].token_ids == tokens
