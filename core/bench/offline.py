@@ -180,11 +180,13 @@ class Baseline:
         return self.hf.describe(self.model)
 
 
-def warm_up(llm, baseline: Baseline | None, prompt: list[int]) -> None:
-    """A few tokens through each, so one-time costs (allocations, kernel selection) stay out of the figures."""
-    llm.generate([prompt], fw_params(2))
+def warm_up(llm, baseline: Baseline | None, prompts: list[list[int]], batch_size: int) -> None:
+    """The workload's shapes, a few tokens long, through each: one-time costs (the allocator's first
+    touch of memory, oneDNN's kernel choice per matrix shape) stay out of the figures. The prompts must
+    differ from the measured ones, or fw's prefix cache would serve the measured prefills."""
+    llm.generate(prompts, fw_params(4))
     if baseline is not None:
-        baseline.hf.generate(baseline.model, [prompt], 2, baseline.pad_id)
+        baseline.hf.throughput(baseline.model, prompts, 4, batch_size, baseline.pad_id)
 
 
 def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_iters_warmup: int,
@@ -222,7 +224,7 @@ def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: 
     prompts = make_prompts(llm.tokenizer, lengths, seed)
     input_tokens = sum(lengths)
     hf = Baseline(llm, progress) if baseline else None
-    warm_up(llm, hf, make_prompts(llm.tokenizer, [min(16, input_len)], seed + 1)[0])
+    warm_up(llm, hf, make_prompts(llm.tokenizer, lengths, seed + 1), baseline_batch_size)
     if progress:
         print(f"fw: {num_prompts} prompts x {output_len} tokens ...", file=sys.stderr)
     fw = throughput_summary(fw_throughput(llm, prompts, output_len), num_prompts, input_tokens)

@@ -16,6 +16,7 @@ import torch
 
 from fw.config import EngineConfig, parse_size
 from fw.engine.block_manager import BlockManager
+from fw.engine.cpu_runtime import tune_malloc
 from fw.engine.detokenizer import IncrementalDetokenizer
 from fw.engine.model_runner import ModelRunner
 from fw.engine.outputs import CompletionOutput, RequestOutput
@@ -34,6 +35,8 @@ logger = logging.getLogger("fw.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None):
         self.config = config
+        if not str(config.device).startswith("cuda"):
+            tune_malloc()  # before loading: activations then reuse heap blocks instead of page-faulting
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)

@@ -18,6 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+import torch
+
+from fw.engine.cpu_runtime import release_openmp_threads
 from fw.engine.engine import LLMEngine
 from fw.engine.outputs import RequestOutput
 from fw.errors import FwError
@@ -64,6 +67,10 @@ class AsyncEngine:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine thread. Called on the thread that loaded the model, whose OpenMP team is
+        ended first: two teams on this machine's cores make every parallel op slow (fw.engine.cpu_runtime)."""
+        self._num_threads = torch.get_num_threads()  # torch's thread count is per thread: carry it over
+        release_openmp_threads()
         self._thread.start()
 
     @property
@@ -131,6 +138,7 @@ class AsyncEngine:
     # -- the engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
         while not self._stop.is_set():
             self._wake.clear()
             if self._drain_commands():

@@ -1,0 +1,68 @@
+"""fw.engine.cpu_runtime: the malloc and OpenMP settings the CPU path depends on, and that the server's
+engine thread keeps the thread count the user chose (torch's count is per thread)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+from fw.config import EngineConfig
+from fw.engine import cpu_runtime
+from fw.engine.engine import LLMEngine
+from fw.server.async_engine import AsyncEngine
+
+linux_openmp = pytest.mark.skipif(not (sys.platform.startswith("linux") and torch.backends.openmp.is_available()),
+                                  reason="glibc malloc and libgomp are Linux builds of torch")
+
+
+@linux_openmp
+def test_malloc_tuning_applies_and_can_be_turned_off(monkeypatch):
+    assert cpu_runtime.tune_malloc.__wrapped__() is True
+    monkeypatch.setenv("FW_CPU_RUNTIME_TUNING", "0")
+    assert cpu_runtime.tune_malloc.__wrapped__() is False
+    assert cpu_runtime.release_openmp_threads() is False
+
+
+@linux_openmp
+def test_openmp_team_release_leaves_torch_working():
+    a = torch.randn(256, 2048)
+    expected = (a * 2 + 1).sum()
+    assert cpu_runtime.release_openmp_threads() is True
+    assert torch.equal((a * 2 + 1).sum(), expected)  # the next parallel op starts a team again
+
+    results = []
+    worker = threading.Thread(target=lambda: results.append((a * 2 + 1).sum()))
+    worker.start()
+    worker.join()
+    assert torch.equal(results[0], expected)
+
+
+def test_engine_thread_keeps_the_callers_thread_count(gqa_dir):
+    engine = LLMEngine(EngineConfig(model=str(gqa_dir), num_kv_blocks=16, dtype="float32"))
+    before = torch.get_num_threads()
+    seen = []
+    try:
+        torch.set_num_threads(1)
+        async_engine = AsyncEngine(engine)
+        async_engine._commands.put((lambda: seen.append(torch.get_num_threads()), _future()))
+        async_engine.start()
+        async_engine._wake.set()
+        for _ in range(200):
+            if seen:
+                break
+            threading.Event().wait(0.01)
+        async_engine._stop.set()
+        async_engine._wake.set()
+        async_engine._thread.join(timeout=10)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
+
+
+def _future():
+    import concurrent.futures
+
+    return concurrent.futures.Future()
