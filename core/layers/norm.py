@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
             x = x + residual
             residual = x
         dtype = x.dtype
-        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # one kernel, the same values as the 5-op form
+        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # one call, the same values as the 5-op form
         weight = self.weight if self.weight_offset == 0.0 else self.weight.float() + self.weight_offset
         out = weight * h.to(dtype)
         return out if residual is None else (out, residual)
