@@ -59,10 +59,14 @@ def references(model_dirs, hf_model, tokenizer):
     return refs
 
 
+# `auto` picks the fastest usable backend (cpu_paged on CPU); `sdpa` is the reference every backend
+# is held to, so both stay checked against transformers.
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("model", ["gqa", "mha"])
-def test_greedy_tokens_and_logprobs_match_transformers(model, layout, model_dirs, references):
-    llm = make_llm(model_dirs[model], **LAYOUTS[layout])
+def test_greedy_tokens_and_logprobs_match_transformers(model, layout, backend, model_dirs, references):
+    llm = make_llm(model_dirs[model], attention_backend=backend, **LAYOUTS[layout])
+    assert backend == "auto" or llm.engine.loaded.attention.chosen.name == backend
     steps = record_steps(llm)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     outputs = llm.generate(PROMPTS, params)

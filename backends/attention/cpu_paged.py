@@ -122,9 +122,9 @@ class CpuPagedBackend(SdpaBackend):
 
     @classmethod
     def prepare(cls, meta: AttentionMetadata) -> _PagedState:
-        """sdpa's prefill state, with its decode count moved aside so sdpa's forward skips the gather."""
-        state = super().prepare(meta)
-        return _PagedState(0, None, None, state.prefills, decodes=state.num_decodes)
+        """sdpa's prefill chunks only (no decode gather state), with the decode count kept aside so sdpa's
+        forward skips its decode path."""
+        return _PagedState(0, None, None, cls.prefill_chunks(meta), decodes=meta.num_decodes)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = super().forward(q, k, v, kv_cache, meta)  # writes the new K/V, runs the prefill chunks

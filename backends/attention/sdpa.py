@@ -55,9 +55,15 @@ class SdpaBackend(AttentionBackend):
             decode_blocks = meta.block_tables[:d, :used].reshape(-1)
             positions = torch.arange(used * p, device=meta.block_tables.device)
             decode_mask = (positions.unsqueeze(0) < meta.seq_lens_tensor[:d].unsqueeze(1))[None, :, None, :]
+        return _State(d, decode_blocks, decode_mask, cls.prefill_chunks(meta))
+
+    @staticmethod
+    def prefill_chunks(meta: AttentionMetadata) -> list[_Prefill]:
+        """The prefill chunks of a step (the sequences after the decode group), each with its pages and mask."""
+        p = meta.page_size
         prefills = []
         starts = meta.query_start_loc.tolist()
-        for i in range(d, meta.num_seqs):
+        for i in range(meta.num_decodes, meta.num_seqs):
             q, k = meta.query_lens[i], meta.seq_lens[i]
             blocks = meta.block_tables[i, : -(-k // p)]
             mask = None
@@ -65,7 +71,7 @@ class SdpaBackend(AttentionBackend):
                 dev = meta.block_tables.device
                 mask = torch.arange(k, device=dev).unsqueeze(0) <= (torch.arange(q, device=dev) + (k - q)).unsqueeze(1)
             prefills.append(_Prefill(starts[i], q, k, blocks, mask))
-        return _State(d, decode_blocks, decode_mask, prefills)
+        return prefills
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [Hkv, pages, page_size, D]

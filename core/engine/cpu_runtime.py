@@ -22,13 +22,10 @@ import ctypes
 import ctypes.util
 import functools
 import glob
-import logging
 import os
 import sys
 
 import torch
-
-logger = logging.getLogger("fw.engine")
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
