@@ -9,60 +9,28 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fw.layers import (Attention, Linear, ModelContext, RMSNorm, RotaryEmbedding, dense_linear, load_named_weights,
-                       pack_dense_weight, rotate_heads)
+from fw.layers import (FUSED_PROJECTIONS, GatedMLP, Linear, ModelContext, RMSNorm, RotaryEmbedding, SelfAttention,
+                       dense_linear, load_named_weights, pack_dense_weight)
 from fw.plugins import ArchitectureSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, prefix: str):
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_size, self.kv_size = q, kv
-        bias = getattr(cfg, "attention_bias", False)
-        self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], ctx, f"{prefix}.qkv_proj", bias=bias)
-        self.o_proj = Linear(q, cfg.hidden_size, ctx, f"{prefix}.o_proj", bias=bias)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ctx)
-
-    def forward(self, x: torch.Tensor, cos_sin, meta) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        qk = rotate_heads(qkv[:, : self.q_size + self.kv_size], cos_sin, self.head_dim)  # q and k in one go
-        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-        v = qkv[:, self.q_size + self.kv_size:]
-        return self.o_proj(self.attn(q, k, v, meta))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, prefix: str):
-        super().__init__()
-        inter = cfg.intermediate_size
-        bias = getattr(cfg, "mlp_bias", False)
-        self.inter = inter
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], ctx, f"{prefix}.gate_up_proj", bias=bias)
-        self.down_proj = Linear(inter, cfg.hidden_size, ctx, f"{prefix}.down_proj", bias=bias)
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"Llama MLP supports hidden_act 'silu', not {cfg.hidden_act!r}")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, ctx: ModelContext, prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.self_attn = LlamaAttention(cfg, ctx, f"{prefix}.self_attn")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        bias = getattr(cfg, "attention_bias", False)
+        self.self_attn = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
+                                       ctx, f"{prefix}.self_attn", qkv_bias=bias, o_bias=bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.mlp = LlamaMLP(cfg, ctx, f"{prefix}.mlp")
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"Llama MLP supports hidden_act 'silu', not {cfg.hidden_act!r}")
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx, f"{prefix}.mlp",
+                            bias=getattr(cfg, "mlp_bias", False))
 
     def forward(self, x, residual, cos_sin, meta):
         if residual is None:
@@ -97,12 +65,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # checkpoint sub-name -> (fused sub-name, shard index)
-    FUSED = {
-        ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
-        ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
-    }
-
     def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None):
         super().__init__()
         self.config = cfg
@@ -124,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.tie else ())
-        loaded = load_named_weights(self, weights, fused=self.FUSED, skip=skip)
+        loaded = load_named_weights(self, weights, fused=FUSED_PROJECTIONS, skip=skip)
         if self.tie:
             packed = pack_dense_weight(self.model.embed_tokens.weight.data, self.device)
             self.tied_head = packed if packed.is_mkldnn else None

@@ -6,6 +6,7 @@ numerics so parity tests hold.
 """
 
 from fw.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from fw.layers.blocks import ACTIVATIONS, FUSED_PROJECTIONS, GatedMLP, SelfAttention
 from fw.layers.context import ModelContext
 from fw.layers.dense import dense_linear, pack_dense_weight
 from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod
@@ -18,6 +19,10 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "ModelContext",
+    "ACTIVATIONS",
+    "FUSED_PROJECTIONS",
+    "GatedMLP",
+    "SelfAttention",
     "dense_linear",
     "pack_dense_weight",
     "Linear",

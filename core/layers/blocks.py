@@ -1,0 +1,105 @@
+"""The attention and MLP blocks most decoder families share, so a family's file
+only states where it differs (biases, QK-norm, the activation, a window).
+
+Projections are fused at load: q/k/v into one `qkv_proj`, gate/up into one
+`gate_up_proj`; `FUSED_PROJECTIONS` maps Hugging Face's checkpoint names onto
+them for `load_named_weights`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fw.layers.attention import Attention
+from fw.layers.context import ModelContext
+from fw.layers.linear import Linear
+from fw.layers.norm import RMSNorm
+from fw.layers.rotary import rotate_heads
+
+# checkpoint sub-name -> (fused sub-name, shard index)
+FUSED_PROJECTIONS = {
+    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+
+# HF `hidden_act` names -> the activation applied to the gate
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class SelfAttention(nn.Module):
+    """Fused-QKV attention with rotary embedding over the paged KV cache.
+
+    Options cover the families fw ships: projection biases (Qwen2), per-head
+    QK RMSNorm before rotary (Qwen3, Gemma 3), a custom softmax scale (Gemma's
+    `query_pre_attn_scalar`), a sliding window (Mistral, Gemma 2/3) and
+    attention-logit soft-capping (Gemma 2)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        ctx: ModelContext,
+        prefix: str,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        qk_norm_weight_offset: float = 0.0,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = Linear(hidden_size, [self.q_size, self.kv_size, self.kv_size], ctx,
+                               f"{prefix}.qkv_proj", bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, ctx, f"{prefix}.o_proj", bias=o_bias)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, ctx.dtype, qk_norm_weight_offset)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, ctx.dtype, qk_norm_weight_offset)
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, ctx, scale=scale,
+                              sliding_window=sliding_window, logit_softcap=logit_softcap)
+
+    def forward(self, x: torch.Tensor, cos_sin, meta) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        qk_end = self.q_size + self.kv_size
+        if self.q_norm is None:
+            qk = rotate_heads(qkv[:, :qk_end], cos_sin, self.head_dim)  # q and k in one go
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        else:
+            t, d = x.shape[0], self.head_dim
+            q = self.q_norm(qkv[:, : self.q_size].reshape(-1, d)).view(t, -1)
+            k = self.k_norm(qkv[:, self.q_size: qk_end].reshape(-1, d)).view(t, -1)
+            q, k = rotate_heads(q, cos_sin, d), rotate_heads(k, cos_sin, d)
+        v = qkv[:, qk_end:]
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ctx: ModelContext, prefix: str, *,
+                 hidden_act: str = "silu", bias: bool = False):
+        super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"MLP activation {hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        self.inter = intermediate_size
+        self.act = ACTIVATIONS[hidden_act]
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], ctx,
+                                   f"{prefix}.gate_up_proj", bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, ctx, f"{prefix}.down_proj", bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(self.act(gate) * up)
