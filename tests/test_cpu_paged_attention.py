@@ -94,7 +94,7 @@ def test_auto_picks_cpu_paged_and_falls_back_when_unbuildable(gqa_dir, monkeypat
     assert llm.engine.loaded.attention.chosen.name == "cpu_paged"
     tokens = llm.generate("hello", greedy(max_tokens=4))[0].outputs[0].token_ids
 
-    monkeypatch.setattr(cpu_paged.shutil, "which", lambda name: None)  # no compiler on PATH
+    monkeypatch.setattr("fw.cpp_ops.shutil.which", lambda name: None)  # no compiler on PATH
     fallback = small_llm(str(gqa_dir), plugins=manager)
     assert fallback.engine.loaded.attention.chosen.name == "sdpa"
     assert "no C++ compiler" in " ".join(fallback.engine.loaded.attention.rejected["cpu_paged"])
