@@ -25,6 +25,8 @@ _lock = threading.Lock()
 _loaded: set[str] = set()
 
 DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+# fw's shared C++ headers (fw_simd.h), on every build's include path
+INCLUDE_DIR = Path(__file__).with_name("csrc")
 
 
 def missing_toolchain() -> str | None:
@@ -56,7 +58,9 @@ def _cpu_flags() -> str:
 
 
 def build_key(source_text: str, cflags: tuple[str, ...]) -> str:
-    return hashlib.sha256("\0".join([source_text, *cflags, torch.__version__, _cpu_flags()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    parts = [source_text, *headers, *cflags, torch.__version__, _cpu_flags()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 def load_cpp_ops(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> None:
@@ -85,7 +89,8 @@ def load_cpp_ops(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLA
                 tmp.replace(copy)  # atomic: a concurrent builder never sees half a file
             cpp_extension.load(
                 name=f"{name}_{key}", sources=[str(copy)], build_directory=str(build_dir),
-                extra_cflags=list(cflags), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+                extra_cflags=list(cflags), extra_ldflags=["-fopenmp"], extra_include_paths=[str(INCLUDE_DIR)],
+                is_python_module=False, verbose=False,
             )
         except Exception as exc:  # compiler errors, missing ninja, unwritable cache dir
             raise FwError(f"could not build the C++ ops {name!r} in {build_dir}: {exc}") from exc

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from fw.layers import cpu_ops
 from fw.plugins import SamplerSpec, hookimpl
 from fw.sampling.batch import SamplingBatch
 
@@ -115,7 +116,7 @@ class DefaultChoice:
     seed gives the same tokens whatever else is in the batch."""
 
     def choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        greedy = cpu_ops.argmax(logits) if cpu_ops.usable(logits) else logits.argmax(dim=-1)
         if all(p.greedy for p in batch.params):
             return greedy
         probs = logits.softmax(dim=-1)

@@ -15,7 +15,8 @@ from fw.layers.attention import Attention
 from fw.layers.context import ModelContext
 from fw.layers.linear import Linear
 from fw.layers.norm import RMSNorm
-from fw.layers.rotary import rotate_heads
+from fw.layers import cpu_ops
+from fw.layers.rotary import rotate_heads_
 
 # checkpoint sub-name -> (fused sub-name, shard index)
 FUSED_PROJECTIONS = {
@@ -75,13 +76,13 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_end = self.q_size + self.kv_size
         if self.q_norm is None:
-            qk = rotate_heads(qkv[:, :qk_end], cos_sin, self.head_dim)  # q and k in one go
+            qk = rotate_heads_(qkv[:, :qk_end], cos_sin, self.head_dim)  # q and k in one go
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         else:
             t, d = x.shape[0], self.head_dim
             q = self.q_norm(qkv[:, : self.q_size].reshape(-1, d)).view(t, -1)
             k = self.k_norm(qkv[:, self.q_size: qk_end].reshape(-1, d)).view(t, -1)
-            q, k = rotate_heads(q, cos_sin, d), rotate_heads(k, cos_sin, d)
+            q, k = rotate_heads_(q, cos_sin, d), rotate_heads_(k, cos_sin, d)
         v = qkv[:, qk_end:]
         return self.o_proj(self.attn(q, k, v, meta))
 
@@ -96,10 +97,14 @@ class GatedMLP(nn.Module):
             raise ValueError(f"MLP activation {hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         self.inter = intermediate_size
         self.act = ACTIVATIONS[hidden_act]
+        self.fusable = hidden_act in ("silu", "swish")  # cpu_ops.silu_mul
         self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], ctx,
                                    f"{prefix}.gate_up_proj", bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, ctx, f"{prefix}.down_proj", bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fusable and cpu_ops.usable(gate_up):
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fw.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, weight_offset: float = 0.0):
@@ -15,12 +17,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`, returns (norm(x + residual), x + residual): the fused pre-norm pattern."""
+        """With `residual`, returns (norm(x + residual), x + residual): the fused pre-norm pattern.
+        On CPU with the fused ops built, the sum is written into `residual` itself."""
+        if cpu_ops.usable(x) and (residual is None or cpu_ops.usable(residual)):
+            if residual is None:
+                return cpu_ops.rms_norm(x, self.weight, self.eps, self.weight_offset)
+            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
         if residual is not None:
             x = x + residual
             residual = x
-        weight = self.weight if self.weight_offset == 0.0 else self.weight.float() + self.weight_offset
-        out = weight * _rms_normalize(x, self.eps)
+        if self.weight_offset == 0.0:  # Llama: round the normalised x to the model dtype, then scale
+            out = self.weight * _rms_normalize(x, self.eps)
+        else:  # Gemma: scale by (offset + weight) in fp32, round once
+            out = (_rms_normalize(x.float(), self.eps) * (self.weight.float() + self.weight_offset)).to(x.dtype)
         return out if residual is None else (out, residual)
 
 

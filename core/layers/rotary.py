@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fw.errors import ModelLoadError
+from fw.layers import cpu_ops
 
 
 def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -53,6 +54,17 @@ def rotate_heads(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], he
     """x: [T, N*D], any number of heads N -> rotated. Rotating q and k as one [T, (H+Hkv)*D] slice of
     the fused qkv output halves the ops per layer, which is most of a small model's decode step."""
     cos, sin = cos_sin
+    if cpu_ops.usable(x):
+        return cpu_ops.rotary_(x.clone(), cos.squeeze(1), sin.squeeze(1), head_dim)
+    return _apply(x, cos, sin, head_dim, cos.shape[-1])
+
+
+def rotate_heads_(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> torch.Tensor:
+    """`rotate_heads` in place where the fused CPU op runs (x may be a column slice of a larger
+    tensor, such as the q|k part of a fused qkv output); returns the rotated tensor either way."""
+    cos, sin = cos_sin
+    if cpu_ops.usable(x):
+        return cpu_ops.rotary_(x, cos.squeeze(1), sin.squeeze(1), head_dim)
     return _apply(x, cos, sin, head_dim, cos.shape[-1])
 
 
