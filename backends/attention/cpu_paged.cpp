@@ -1,6 +1,6 @@
-// The cpu_paged attention backend's decode kernel (backends/attention/cpu_paged.py builds it).
-// One (sequence, KV head) per task: scores of its query heads against the keys read page by page
-// through the block table, softmax in fp32, values accumulated in fp32.
+// The cpu_paged attention kernel (backends/attention/cpu_paged.py builds it). One (query row, KV head)
+// per task: scores of its query heads against the keys the row sees, read page by page through the
+// block table, softmax in fp32, values accumulated in fp32. A prompt row is a decode ending at its position.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -13,9 +13,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "fw_simd.h"  // load16, exp16 (fw/csrc, on the include path of fw.cpp_ops builds)
 
 namespace {
 
@@ -29,31 +28,8 @@ inline float to_f32(c10::BFloat16 x) {
 }
 
 #ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp for x <= 0 (softmax after subtracting the max): 2^n * poly(r), |rel err| ~ 2e-7.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+using fw_simd::exp16;
+using fw_simd::load16;
 
 // [sum(a), sum(b), sum(c), sum(d)]: one transposing tree instead of four horizontal reductions.
 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -481,10 +457,43 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   }
 }
 
+// k_cache[h, slot[t]] = k[t, h] and the same for v: the step's new keys and values into their pages,
+// straight from the strided q|k|v projection output (no transposed copies).
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1, "store_kv: k, v [T, Hkv, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == k.size(1) && k_cache.size(3) == k.size(2),
+              "store_kv: caches [Hkv, pages, page_size, D] matching k");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.is_contiguous() && slots.scalar_type() == at::kLong,
+              "store_kv: slots int64 [T]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(), "store_kv: dtypes");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t per_head = k_cache.size(1) * k_cache.size(2), bytes = D * k.element_size();
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < per_head, "store_kv: slot ", sp[t], " outside the cache");
+  const char* kp = static_cast<const char*>(k.const_data_ptr());
+  const char* vp = static_cast<const char*>(v.const_data_ptr());
+  char* kc = static_cast<char*>(k_cache.mutable_data_ptr());
+  char* vc = static_cast<char*>(v_cache.mutable_data_ptr());
+  const int64_t es = k.element_size();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t dst = ((h * per_head) + sp[t]) * bytes;
+        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * es, size_t(bytes));
+        std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * es, size_t(bytes));
+      }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_cpu_paged, m) {
   m.def("decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, "
         "Tensor(a!) out) -> ()");
   m.impl("decode", c10::DispatchKey::CPU, TORCH_FN(decode));
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, TORCH_FN(store_kv));
 }

@@ -90,9 +90,7 @@ class CpuPagedBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [Hkv, pages, page_size, D]
-        hkv, d_head = self.num_kv_heads, self.head_dim
-        k_cache.view(hkv, -1, d_head).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.view(hkv, -1, d_head).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        torch.ops.fw_cpu_paged.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         rows: _Rows = meta.backend_state
         out = torch.empty_like(q)
         paged_decode(q, k_cache, v_cache, rows.tables, rows.lens, self.scale, out)
