@@ -1,4 +1,4 @@
-"""Llama family: Llama 2/3.x, SmolLM/SmolLM2, TinyLlama, Mistral without sliding window.
+"""Llama family: Llama 2/3.x, SmolLM/SmolLM2, TinyLlama, Mistral (with its sliding window).
 
 Built from fw's shared layers: fused QKV and gate/up linears (delegating to the
 quantization method), RMSNorm, rotary embedding (every HF rope type), and the
@@ -25,7 +25,8 @@ class LlamaDecoderLayer(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         bias = getattr(cfg, "attention_bias", False)
         self.self_attn = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
-                                       ctx, f"{prefix}.self_attn", qkv_bias=bias, o_bias=bias)
+                                       ctx, f"{prefix}.self_attn", qkv_bias=bias, o_bias=bias,
+                                       sliding_window=getattr(cfg, "sliding_window", None))  # Mistral: every layer
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         if cfg.hidden_act != "silu":
             raise ValueError(f"Llama MLP supports hidden_act 'silu', not {cfg.hidden_act!r}")
@@ -113,11 +114,11 @@ def build(cfg, ctx: ModelContext, max_positions: int | None = None) -> LlamaForC
 def fw_register_architectures(register) -> None:
     register(ArchitectureSpec(
         name="llama",
-        # Mistral is Llama plus a sliding window; its config states the window, and a
-        # backend that cannot apply it rejects the model with that reason.
+        # Mistral is Llama plus a sliding window in every layer; its config states the window,
+        # and a backend that cannot apply it rejects the model with that reason.
         hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
         gguf_architectures=("llama",),
         build=build,
         gguf_weight_transform=unpermute_gguf_qk,
-        description="Llama 2/3.x, SmolLM/SmolLM2, TinyLlama, Mistral without sliding window",
+        description="Llama 2/3.x, SmolLM/SmolLM2, TinyLlama, Mistral (sliding window)",
     ))

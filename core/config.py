@@ -24,6 +24,9 @@ def _opt(help: str, **extra: Any) -> dict:
     return {"help": help, **extra}
 
 
+MODEL_IMPLS = ("auto", "fw", "transformers")
+
+
 @dataclass
 class EngineConfig:
     """Everything that shapes an engine. Library keyword arguments use these names."""
@@ -42,6 +45,9 @@ class EngineConfig:
         "Longest sequence (prompt + output) served; default: the model's context length."))
     attention_backend: str = field(default="auto", metadata=_opt(
         "Attention backend plugin by name, or auto (the highest-priority one that can run)."))
+    moe_backend: str = field(default="auto", metadata=_opt(
+        "MoE kernel plugin that computes Mixture-of-Experts layers' experts, or auto (the highest-priority one "
+        "that can run)."))
     sampling_backend: str = field(default="default", metadata=_opt("Sampler plugin that makes the final token choice."))
     quantization: str | None = field(default=None, metadata=_opt(
         "Quantization method plugin; default: from the checkpoint's quantization_config."))
@@ -59,6 +65,10 @@ class EngineConfig:
         "Token budget of one engine step (decode tokens + prefill chunks)."))
     prefill_chunk_size: int | None = field(default=None, metadata=_opt(
         "Longest prefill chunk of one sequence in one step; default: --max-batch-input-tokens."))
+    model_impl: str = field(default="auto", metadata=_opt(
+        "Which implementation runs the model: fw (a native architecture plugin), transformers (transformers' "
+        "modelling code over fw's paged KV cache), or auto (native if a plugin claims the model, else "
+        "transformers).", choices=MODEL_IMPLS))
     custom_architectures: list[str] = field(default_factory=list, metadata=_opt(
         "Extra architectures: DIR:MODULE, FILE.py or a dotted module exposing ARCHITECTURES (repeatable).",
         repeatable=True))
@@ -86,6 +96,8 @@ class EngineConfig:
             parse_size(self.kv_cache_memory)
         except ConfigError as exc:  # name the option: the size reader does not know which one it read
             raise ConfigError(f"--kv-cache-memory: {exc}") from None
+        if self.model_impl not in MODEL_IMPLS:
+            raise ConfigError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}; got {self.model_impl!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
 

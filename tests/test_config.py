@@ -47,6 +47,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "custom_architectures": (["--custom-architectures", "a.py", "--custom-architectures", "d:m"], ["a.py", "d:m"]),
     "strict_plugins": (["--strict-plugins"], True),
     "num_threads": (["--num-threads", "2"], 2),
+    "moe_backend": (["--moe-backend", "grouped"], "grouped"),
+    "model_impl": (["--model-impl", "transformers"], "transformers"),
 }
 
 

@@ -1,6 +1,7 @@
 """Llama-family variants the `llama` plugin covers, each against transformers:
 Llama 3's rope scaling, linear rope scaling, and Mistral without a sliding window.
-A Mistral with a window is refused by the sdpa backend, with the reason."""
+A Mistral with a window is refused by a backend without windows (cpu_paged), with the
+reason; tests/test_arch_dense.py runs it with the window against transformers."""
 
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ def test_mistral_without_sliding_window_matches_transformers(tokenizer, tmp_path
     _compare(tmp_path, hf, tokenizer)
 
 
-def test_mistral_with_sliding_window_is_refused_with_the_reason(tokenizer, tmp_path) -> None:
+def test_mistral_with_sliding_window_is_refused_by_cpu_paged_with_the_reason(tokenizer, tmp_path) -> None:
     from transformers import MistralConfig, MistralForCausalLM
 
     _save(MistralForCausalLM, MistralConfig(**_common(tokenizer), sliding_window=32), tokenizer, tmp_path)
     with pytest.raises(UnsupportedConfigurationError, match="sliding-window"):
-        make_llm(tmp_path)
+        make_llm(tmp_path, attention_backend="cpu_paged")

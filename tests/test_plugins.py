@@ -6,6 +6,7 @@ attention backends) is in test_plugin_selection.py."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import sys
@@ -308,7 +309,8 @@ def test_allow_and_block_lists(example_site, monkeypatch, capsys):
         assert all(r["provides"] == {} for r in rows.values() if r["status"] == "disabled")
         return {name for name, r in rows.items() if r["status"] == "loaded"}
 
-    builtin = {"llama", "sdpa", "cpu_paged", "samplers"}
+    builtin = {ep.name for ep in importlib.metadata.distribution("fw").entry_points if ep.group == "fw"}
+    assert {"llama", "sdpa", "cpu_paged", "samplers"} <= builtin
     assert builtin | {"example"} <= listed()
     monkeypatch.setenv("FW_DISABLE_PLUGINS", "example")
     assert listed() == builtin

@@ -5,11 +5,18 @@ into a contiguous K/V view; each prefill chunk runs as its own causal
 attention (offset by its cached prefix). All decodes run as one padded batch
 of grouped matmuls (query heads grouped by their KV head, softmax in fp32):
 for one-token queries torch's CPU flash kernel was 6x slower in bf16 (12.0 vs
-2.0 ms for 64 sequences of 336 keys) and no faster in fp32."""
+2.0 ms for 64 sequences of 336 keys) and no faster in fp32.
+
+Sliding windows and attention-logit soft-capping follow Hugging Face: a query
+at position p sees the keys at positions (p - window, p]; soft-capping
+replaces each scaled score s by cap * tanh(s / cap) before masking and softmax.
+A layer with neither runs exactly the plain path. Window masks are built once
+per step and window size and shared by the layers that use them; a prefill
+chunk with a window reads only the keys its queries can see."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +34,27 @@ class _Prefill:
     seq_len: int
     blocks: torch.Tensor  # page ids covering seq_len
     mask: torch.Tensor | None  # [q, k] bool, None when plain causal (no cached prefix)
+    # window -> (first key position the chunk can see, [q, seq_len - first] bool mask); filled lazily
+    window_masks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    explicit_mask: torch.Tensor | None = None  # `mask`, or the causal mask None stands for; filled lazily
+
+    def dense_mask(self) -> torch.Tensor:
+        """The [q, k] mask written out, for paths that cannot take is_causal."""
+        if self.explicit_mask is None:
+            self.explicit_mask = self.mask if self.mask is not None else torch.ones(
+                self.query_len, self.seq_len, dtype=torch.bool, device=self.blocks.device).tril_()
+        return self.explicit_mask
+
+    def window_mask(self, window: int) -> tuple[int, torch.Tensor]:
+        """Keys visible to query row r (position seq_len - query_len + r): (pos - window, pos]."""
+        if window not in self.window_masks:
+            dev = self.blocks.device
+            offset = self.seq_len - self.query_len
+            first = max(0, offset - window + 1)
+            query_pos = torch.arange(self.query_len, device=dev).unsqueeze(1) + offset
+            key_pos = torch.arange(first, self.seq_len, device=dev).unsqueeze(0)
+            self.window_masks[window] = first, (key_pos <= query_pos) & (key_pos > query_pos - window)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -36,6 +64,21 @@ class _State:
     decode_mask: torch.Tensor | None  # [1, Bd, 1, L] bool
     prefills: list[_Prefill]
     decode_rows: torch.Tensor | None = None  # decode_blocks as rows of the cache's 2-D view
+    decode_seq_lens: torch.Tensor | None = None  # [Bd], for window masks
+    decode_max_len: int = 0
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [1, Bd, 1, L]
+
+    def decode_window_mask(self, window: int) -> torch.Tensor:
+        """decode_mask narrowed to the last `window` positions of each sequence."""
+        if window not in self.decode_window_masks:
+            lens = self.decode_seq_lens
+            if self.decode_max_len <= window:  # no sequence is longer than the window yet
+                self.decode_window_masks[window] = self.decode_mask
+            else:
+                positions = torch.arange(self.decode_mask.shape[-1], device=lens.device)
+                recent = positions.unsqueeze(0) >= (lens - window).unsqueeze(1)
+                self.decode_window_masks[window] = self.decode_mask & recent[None, :, None, :]
+        return self.decode_window_masks[window]
 
 
 class SdpaBackend(AttentionBackend):
@@ -49,13 +92,17 @@ class SdpaBackend(AttentionBackend):
     def prepare(cls, meta: AttentionMetadata) -> _State:
         p = meta.page_size
         d = meta.num_decodes
-        decode_blocks = decode_mask = None
+        decode_blocks = decode_mask = lens = None
+        longest = 0
         if d:
-            used = -(-max(meta.seq_lens[:d]) // p)
+            longest = max(meta.seq_lens[:d])
+            used = -(-longest // p)
             decode_blocks = meta.block_tables[:d, :used].reshape(-1)
             positions = torch.arange(used * p, device=meta.block_tables.device)
-            decode_mask = (positions.unsqueeze(0) < meta.seq_lens_tensor[:d].unsqueeze(1))[None, :, None, :]
-        return _State(d, decode_blocks, decode_mask, cls.prefill_chunks(meta))
+            lens = meta.seq_lens_tensor[:d]
+            decode_mask = (positions.unsqueeze(0) < lens.unsqueeze(1))[None, :, None, :]
+        return _State(d, decode_blocks, decode_mask, cls.prefill_chunks(meta), decode_seq_lens=lens,
+                      decode_max_len=longest)
 
     @staticmethod
     def prefill_chunks(meta: AttentionMetadata) -> list[_Prefill]:
@@ -79,7 +126,6 @@ class SdpaBackend(AttentionBackend):
         k_cache.view(hkv, -1, d_head).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(hkv, -1, d_head).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         state: _State = meta.backend_state
-        gqa = self.num_heads != self.num_kv_heads
         out = torch.empty_like(q)
         d = state.num_decodes
         if d:
@@ -87,17 +133,46 @@ class SdpaBackend(AttentionBackend):
                 state.decode_rows = self._rows(k_cache, state.decode_blocks)
             keys = self._gather(k_cache, state.decode_rows, d)  # [Hkv, Bd, L, D]
             values = self._gather(v_cache, state.decode_rows, d)
-            out[:d] = self._decode(q[:d], keys, values, state.decode_mask)
+            mask = state.decode_mask if self.sliding_window is None else state.decode_window_mask(self.sliding_window)
+            out[:d] = self._decode(q[:d], keys, values, mask)
         for pf in state.prefills:
-            rows = self._rows(k_cache, pf.blocks)
-            keys = self._gather(k_cache, rows, 1)[:, 0, : pf.seq_len].unsqueeze(0)  # [1, Hkv, k, D]
-            values = self._gather(v_cache, rows, 1)[:, 0, : pf.seq_len].unsqueeze(0)
-            query = q[pf.start: pf.start + pf.query_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            attn = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=pf.mask, is_causal=pf.mask is None, scale=self.scale, enable_gqa=gqa
-            )
-            out[pf.start: pf.start + pf.query_len] = attn.squeeze(0).transpose(0, 1)
+            out[pf.start: pf.start + pf.query_len] = self._prefill(q[pf.start: pf.start + pf.query_len],
+                                                                   k_cache, v_cache, pf)
         return out
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pf: _Prefill) -> torch.Tensor:
+        """One prefill chunk: q [q, H, D] against its sequence's cached keys -> [q, H, D]."""
+        blocks, lo, hi, mask = pf.blocks, 0, pf.seq_len, pf.mask
+        if self.sliding_window is not None and pf.seq_len > self.sliding_window:  # else the window cuts nothing
+            first, mask = pf.window_mask(self.sliding_window)
+            page0 = first // k_cache.shape[2]  # pages wholly before the window are not read
+            blocks, lo, hi = blocks[page0:], first - page0 * k_cache.shape[2], hi - page0 * k_cache.shape[2]
+        rows = self._rows(k_cache, blocks)
+        keys = self._gather(k_cache, rows, 1)[:, 0, lo:hi].unsqueeze(0)  # [1, Hkv, k, D]
+        values = self._gather(v_cache, rows, 1)[:, 0, lo:hi].unsqueeze(0)
+        query = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if self.logit_softcap is None:
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                  scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+            return attn.squeeze(0).transpose(0, 1)
+        return self._softcapped(query[0], keys[0], values[0], pf.dense_mask() if mask is None else mask)
+
+    def _softcapped(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+        """Attention with soft-capped scores, which torch's sdpa cannot do: q [H, q, D], keys/values
+        [Hkv, k, D], mask [q, k] bool -> [q, H, D]. Scores and softmax in fp32, as in `_decode`."""
+        h, n, d = q.shape
+        grouped = q.reshape(self.num_kv_heads, -1, d)  # heads of one KV head are adjacent: [Hkv, group * q, D]
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, group * q, k]
+        scores = self._cap(scores).view(self.num_kv_heads, -1, n, scores.shape[-1])
+        probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+        out = torch.matmul(probs.view(self.num_kv_heads, -1, probs.shape[-1]), values)  # [Hkv, group * q, D]
+        return out.view(h, n, d).transpose(0, 1)
+
+    def _cap(self, scores: torch.Tensor) -> torch.Tensor:
+        """cap * tanh(scores / cap), in place (Gemma 2's attention-logit soft-capping)."""
+        cap = self.logit_softcap
+        return scores.div_(cap).tanh_().mul_(cap)
 
     def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One query token per sequence: q [B, H, D], keys/values [Hkv, B, L, D], mask [1, B, 1, L]."""
@@ -105,6 +180,8 @@ class SdpaBackend(AttentionBackend):
         # head h reads KV head h // group: [Hkv, B, group, D]
         grouped = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
         scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, group, L]
+        if self.logit_softcap is not None:
+            scores = self._cap(scores)
         probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
         return torch.matmul(probs, values).transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
@@ -131,6 +208,9 @@ def fw_register_attention_backends(register) -> None:
         backend_cls=SdpaBackend,
         devices=("cpu", "cuda"),
         dtypes=("float32", "bfloat16", "float16"),
+        supports_sliding_window=True,
+        supports_logit_softcap=True,
         priority=0,
-        description="torch scaled_dot_product_attention over the paged KV cache (reference backend)",
+        description="torch scaled_dot_product_attention over the paged KV cache (reference backend; "
+                    "sliding windows and attention-logit soft-capping)",
     ))

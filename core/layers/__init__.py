@@ -10,6 +10,8 @@ from fw.layers.blocks import ACTIVATIONS, FUSED_PROJECTIONS, GatedMLP, SelfAtten
 from fw.layers.context import ModelContext
 from fw.layers.dense import dense_linear, pack_dense_weight
 from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod
+from fw.layers.moe import (GATED_EXPERT_NAMES, MIXTRAL_EXPERT_NAMES, FusedExperts, MoeKernel, SparseMoeBlock,
+                           TopKRouter, load_moe_weights, topk_routing)
 from fw.layers.norm import RMSNorm
 from fw.layers.rotary import RotaryEmbedding, apply_rotary, rotate_heads
 from fw.layers.weights import default_weight_loader, load_named_weights
@@ -28,6 +30,14 @@ __all__ = [
     "Linear",
     "LinearMethod",
     "UnquantizedLinearMethod",
+    "GATED_EXPERT_NAMES",
+    "MIXTRAL_EXPERT_NAMES",
+    "FusedExperts",
+    "MoeKernel",
+    "SparseMoeBlock",
+    "TopKRouter",
+    "load_moe_weights",
+    "topk_routing",
     "RMSNorm",
     "RotaryEmbedding",
     "apply_rotary",

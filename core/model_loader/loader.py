@@ -12,13 +12,15 @@ import torch
 
 from fw.config import EngineConfig
 from fw.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError, UnsupportedConfigurationError
+from fw.layers import cpu_ops
 from fw.layers.context import ModelContext
+from fw.model_loader.attention_needs import check_built_layers, logit_softcap_needed, sliding_window_needed
 from fw.model_loader.gguf_file import GGUFModel
 from fw.model_loader.hardware import cpu_has_native_bf16
 from fw.model_loader.hf import iter_safetensors, load_hf_config, load_tokenizer
 from fw.model_loader.source import ModelSource, resolve_model
 from fw.plugins.manager import PluginManager
-from fw.plugins.selection import Selection, select_attention_backend
+from fw.plugins.selection import MoeKernelChooser, Selection, select_attention_backend
 from fw.plugins.specs import ArchitectureSpec, AttentionRequirements
 
 logger = logging.getLogger("fw.loader")
@@ -67,20 +69,50 @@ def resolve_dtype(name: str, hf_config, source: ModelSource, device: torch.devic
     return dtype
 
 
-def find_architecture(plugins: PluginManager, hf_names: list[str], gguf_arch: str | None = None) -> ArchitectureSpec:
+def find_architecture(plugins: PluginManager, hf_names: list[str], gguf_arch: str | None = None,
+                      model_impl: str = "auto", hf_config: Any = None) -> ArchitectureSpec:
+    """The spec that runs the model. `model_impl` (--model-impl): `fw` only native specs (matched by
+    name), `transformers` only a fallback spec (which judges the config), `auto` native first."""
     registry = plugins.registry("architecture")
     # --custom-architectures are an explicit choice: they win over plugins claiming the
     # same HF name under another spec name (stable sort keeps plugin order otherwise).
     custom = set(plugins.custom_architectures)
-    for spec in sorted(registry, key=lambda s: s.name not in custom):
-        if gguf_arch is not None and gguf_arch in spec.gguf_architectures:
-            return spec
-        if any(n in spec.hf_architectures for n in hf_names):
-            return spec
-    known = sorted({a for s in registry for a in (*s.hf_architectures, *s.gguf_architectures)})
+    specs = sorted(registry, key=lambda s: s.name not in custom)
     wanted = gguf_arch or ", ".join(hf_names) or "(config.json lists no architectures)"
+    if model_impl != "transformers":
+        for spec in specs:
+            if spec.fallback:
+                continue
+            if gguf_arch is not None and gguf_arch in spec.gguf_architectures:
+                return spec
+            if any(n in spec.hf_architectures for n in hf_names):
+                return spec
+    if gguf_arch is not None and model_impl == "transformers":
+        raise UnsupportedConfigurationError(
+            "--model-impl transformers runs Hugging Face checkpoint directories (config.json + safetensors), "
+            "not GGUF files; use --model-impl auto or fw for a .gguf model")
+    fallbacks = [s for s in specs if s.fallback]
+    refusals = []  # (fallback name, why it cannot run the model)
+    if gguf_arch is None:
+        for spec in fallbacks:
+            why = spec.rejection_reason(hf_config) if spec.rejection_reason is not None else None
+            if why is None and model_impl != "fw":
+                return spec
+            if why is None:
+                raise UnsupportedArchitectureError(
+                    f"--model-impl fw: no native architecture plugin handles {wanted}. The {spec.name} fallback "
+                    f"can run it through transformers' modelling code: use --model-impl transformers (or auto).")
+            refusals.append((spec.name, why))
+    if model_impl == "transformers":
+        raise UnsupportedArchitectureError(
+            f"--model-impl transformers: "
+            + ("; ".join(f"the {n} fallback cannot run {wanted}: {why}" for n, why in refusals)
+               or "no fallback architecture plugin is loaded (is the built-in `transformers` plugin disabled?)"))
+    known = sorted({a for s in registry for a in (*s.hf_architectures, *s.gguf_architectures)})
+    notes = "".join(f"; the {n} fallback (--model-impl transformers) cannot run it either: {why}"
+                    for n, why in refusals)
     raise UnsupportedArchitectureError(
-        f"no architecture plugin handles {wanted}. Supported: {', '.join(known) or 'none'}. "
+        f"no architecture plugin handles {wanted}. Supported natively: {', '.join(known) or 'none'}{notes}. "
         f"Install a plugin that adds it, or pass --custom-architectures."
     )
 
@@ -109,12 +141,13 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     device = resolve_device(cfg.device)
     gguf = GGUFModel(source.path) if source.kind == "gguf" else None
     if gguf is not None:
-        arch = find_architecture(plugins, [], gguf.architecture)
+        arch = find_architecture(plugins, [], gguf.architecture, cfg.model_impl)
         hf_config = gguf.hf_config(arch.hf_architectures[0])
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else gguf.tokenizer()
     else:
         hf_config = load_hf_config(source.path, cfg.trust_remote_code, cfg.revision)
-        arch = find_architecture(plugins, list(getattr(hf_config, "architectures", None) or []))
+        arch = find_architecture(plugins, list(getattr(hf_config, "architectures", None) or []), None,
+                                 cfg.model_impl, hf_config)
         tokenizer = load_tokenizer(cfg.tokenizer or source.path, cfg.trust_remote_code)
     dtype = resolve_dtype(cfg.dtype, hf_config, source, device)
 
@@ -127,17 +160,19 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     req = AttentionRequirements(
         device=device.type, dtype=str(dtype).removeprefix("torch."), head_size=head_dim,
         page_size=cfg.kv_cache_page_size,
-        sliding_window=getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None,
-        logit_softcap=getattr(hf_config, "attn_logit_softcapping", None),
+        sliding_window=sliding_window_needed(hf_config), logit_softcap=logit_softcap_needed(hf_config),
     )
     name = None if cfg.attention_backend == "auto" else cfg.attention_backend
     attention = select_attention_backend(plugins.registry("attention_backend"), req, name)
 
     quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins, device)
+    cpu_ops.prepare(device)  # fused CPU layer ops, built (or loaded from the cache) before the model
     ctx = ModelContext(dtype=dtype, device=device, attention_backend=attention.chosen.backend_cls,
-                       linear_method=linear_method)
+                       linear_method=linear_method,
+                       extra={"moe_kernel": MoeKernelChooser(plugins.registry("moe_kernel"), cfg.moe_backend)})
     with torch.device("cpu"):
         model = arch.build(hf_config, ctx, max_length)
+    check_built_layers(model, attention.chosen)
     weights = gguf.iter_weights(dtype) if gguf is not None else iter_safetensors(source.path)
     if gguf is not None and arch.gguf_weight_transform is not None:
         weights = ((n, arch.gguf_weight_transform(n, t, hf_config)) for n, t in weights)

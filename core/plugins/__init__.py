@@ -16,6 +16,8 @@ from fw.plugins.specs import (
     AttentionRequirements,
     CliCommandSpec,
     GrammarBackendSpec,
+    MoeKernelSpec,
+    MoeRequirements,
     QuantizationMethodSpec,
     SamplerSpec,
 )
@@ -30,6 +32,8 @@ __all__ = [
     "AttentionRequirements",
     "CliCommandSpec",
     "GrammarBackendSpec",
+    "MoeKernelSpec",
+    "MoeRequirements",
     "QuantizationMethodSpec",
     "SamplerSpec",
 ]

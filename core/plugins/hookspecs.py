@@ -30,6 +30,11 @@ def fw_register_attention_backends(register) -> None:
 
 
 @hookspec
+def fw_register_moe_kernels(register) -> None:
+    """Register `MoeKernelSpec`s: how Mixture-of-Experts layers compute their experts."""
+
+
+@hookspec
 def fw_register_quantization_methods(register) -> None:
     """Register `QuantizationMethodSpec`s."""
 

@@ -35,6 +35,7 @@ logger = logging.getLogger("fw.plugins")
 HOOKS = {
     "architecture": "fw_register_architectures",
     "attention_backend": "fw_register_attention_backends",
+    "moe_kernel": "fw_register_moe_kernels",
     "quantization_method": "fw_register_quantization_methods",
     "sampler": "fw_register_samplers",
     "grammar_backend": "fw_register_grammar_backends",

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from fw.errors import UnsupportedConfigurationError
+from fw.errors import UnknownImplementationError, UnsupportedConfigurationError
 from fw.plugins.registry import Registry
-from fw.plugins.specs import AttentionBackendSpec, AttentionRequirements
+from fw.plugins.specs import AttentionBackendSpec, AttentionRequirements, MoeKernelSpec, MoeRequirements
+
+logger = logging.getLogger("fw.plugins")
 
 
 @dataclass
@@ -43,3 +46,55 @@ def select_attention_backend(
             f"(head size {req.head_size}): {detail}"
         )
     return Selection(usable[0], rejected)
+
+
+def select_moe_kernel(registry: Registry[MoeKernelSpec], req: MoeRequirements, name: str | None = None) -> Selection:
+    """The named MoE kernel if it can run, else the highest-priority one that can (as for attention)."""
+    rejected = {spec.name: spec.rejection_reasons(req) for spec in registry}
+    usable = sorted((s for s in registry if not rejected[s.name]), key=lambda s: (-s.priority, s.name))
+    rejected = {n: r for n, r in rejected.items() if r}
+    if name is not None and name != "auto":
+        spec = registry.get(name)
+        if rejected.get(name):
+            working = ", ".join(s.name for s in usable) or "none"
+            raise UnsupportedConfigurationError(
+                f"MoE kernel {name!r} cannot run this model here: {'; '.join(rejected[name])}. "
+                f"Pass --moe-backend with one that would work: {working} (or auto)."
+            )
+        return Selection(spec, rejected, explicit=True)
+    if not usable:
+        detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in sorted(rejected.items())) or "none installed"
+        raise UnsupportedConfigurationError(
+            f"no MoE kernel can run this model on {req.device} with {req.dtype} "
+            f"({req.num_experts} experts, activation {req.activation}): {detail}. "
+            f"Install a moe_kernel plugin that can (`fw plugins list --kind moe_kernel` shows what is installed)."
+        )
+    return Selection(usable[0], rejected)
+
+
+class MoeKernelChooser:
+    """Picks the MoE kernel when the first MoE layer is built (its requirements are known only
+    then), so a dense model never needs one. An unknown `--moe-backend` name fails at once.
+
+    The loader puts one in `ModelContext.extra["moe_kernel"]`; `selection` is the last choice."""
+
+    def __init__(self, registry: Registry[MoeKernelSpec], name: str | None = None):
+        self.registry = registry
+        self.name = None if name in (None, "auto") else name
+        if self.name is not None and self.name not in registry:
+            raise UnknownImplementationError(
+                f"--moe-backend {self.name}: no MoE kernel of that name; choose auto or one of: "
+                f"{', '.join(registry.names()) or '(none installed)'}. "
+                f"`fw plugins list --kind moe_kernel` shows what is installed."
+            )
+        self.selection: Selection | None = None
+        self._chosen: dict[MoeRequirements, Selection] = {}
+
+    def __call__(self, req: MoeRequirements) -> Any:
+        """A new kernel instance for one MoE layer with requirements `req`."""
+        if req not in self._chosen:
+            self._chosen[req] = select_moe_kernel(self.registry, req, self.name)
+            logger.info("MoE kernel %s for %d experts, top-%d, %s", self._chosen[req].chosen.name,
+                        req.num_experts, req.top_k, req.dtype)
+        self.selection = self._chosen[req]
+        return self.selection.chosen.kernel_cls()

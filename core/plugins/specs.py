@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-KINDS = ("architecture", "attention_backend", "quantization_method", "sampler", "grammar_backend", "cli_command")
+KINDS = ("architecture", "attention_backend", "moe_kernel", "quantization_method", "sampler", "grammar_backend",
+         "cli_command")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class ArchitectureSpec:
     # (hf_name, tensor, hf_config) -> tensor, for GGUF files whose layout differs from HF's
     gguf_weight_transform: Callable[[str, Any, Any], Any] | None = None
     description: str = ""
+    # A fallback serves models by their config rather than by name: `--model-impl auto` uses it when no
+    # native spec claims the model, `--model-impl transformers` always. Its `hf_architectures` may be
+    # empty; `rejection_reason(hf_config)` returns None when it can run the model, else why not.
+    fallback: bool = False
+    rejection_reason: Callable[[Any], str | None] | None = None
     kind = "architecture"
 
     def summary(self) -> dict:
@@ -34,6 +40,7 @@ class ArchitectureSpec:
             "hf_architectures": list(self.hf_architectures),
             "gguf_architectures": list(self.gguf_architectures),
             "supported_quantization": list(self.supported_quantization),
+            "fallback": self.fallback,
         }
 
 
@@ -97,6 +104,60 @@ class AttentionBackendSpec:
             "page_sizes": None if self.page_sizes is None else list(self.page_sizes),
             "sliding_window": self.supports_sliding_window,
             "logit_softcap": self.supports_logit_softcap,
+            "priority": self.priority,
+        }
+
+
+@dataclass(frozen=True)
+class MoeRequirements:
+    """What a Mixture-of-Experts layer needs from the kernel that computes its experts."""
+
+    device: str
+    dtype: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    activation: str  # HF `hidden_act` name, e.g. "silu"
+
+
+@dataclass(frozen=True)
+class MoeKernelSpec:
+    """An expert-computation kernel for MoE layers. `kernel_cls()` returns an object with the
+    `fw.layers.moe.MoeKernel` interface; one instance per MoE layer.
+
+    `activations` None means any activation the layer supports; `available` is called at
+    selection time and returns None, or why the kernel cannot run in this process."""
+
+    name: str
+    kernel_cls: Callable[[], Any]
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    activations: tuple[str, ...] | None = None
+    priority: int = 0
+    available: Callable[[], str | None] | None = None
+    description: str = ""
+    kind = "moe_kernel"
+
+    def rejection_reasons(self, req: MoeRequirements) -> list[str]:
+        reasons = []
+        if req.device not in self.devices:
+            reasons.append(f"device {req.device!r} not supported (supports {', '.join(self.devices)})")
+        if req.dtype not in self.dtypes:
+            reasons.append(f"dtype {req.dtype} not supported (supports {', '.join(self.dtypes)})")
+        if self.activations is not None and req.activation not in self.activations:
+            reasons.append(f"activation {req.activation!r} not supported (supports {', '.join(self.activations)})")
+        if self.available is not None:
+            why = self.available()
+            if why:
+                reasons.append(why)
+        return reasons
+
+    def summary(self) -> dict:
+        return {
+            "devices": list(self.devices),
+            "dtypes": list(self.dtypes),
+            "activations": None if self.activations is None else list(self.activations),
             "priority": self.priority,
         }
 
@@ -168,7 +229,8 @@ class CliCommandSpec:
         return {"help": self.help}
 
 
-Spec = ArchitectureSpec | AttentionBackendSpec | QuantizationMethodSpec | SamplerSpec | GrammarBackendSpec | CliCommandSpec
+Spec = (ArchitectureSpec | AttentionBackendSpec | MoeKernelSpec | QuantizationMethodSpec | SamplerSpec
+        | GrammarBackendSpec | CliCommandSpec)
 
 
 __all__ = [
@@ -176,6 +238,8 @@ __all__ = [
     "ArchitectureSpec",
     "AttentionBackendSpec",
     "AttentionRequirements",
+    "MoeKernelSpec",
+    "MoeRequirements",
     "QuantizationMethodSpec",
     "SamplerSpec",
     "GrammarBackendSpec",

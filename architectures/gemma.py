@@ -1,0 +1,201 @@
+"""Gemma, Gemma 2 and Gemma 3 (text): Llama-shaped decoders with Gemma's numerics.
+
+Common to all three: GeGLU MLP (gelu, tanh approximation), RMSNorm scaling by
+(1 + weight), embeddings multiplied by sqrt(hidden_size) rounded to the model
+dtype (as transformers does), tied input/output embeddings.
+Gemma 2 adds `query_pre_attn_scalar` as the softmax scale, norms after the
+attention and around the MLP ("sandwich"), attention-logit and final-logit
+soft-capping, and interleaved sliding-window / global layers
+(`config.layer_types`). Gemma 3 keeps that layout, normalises q and k per head,
+and gives each layer type its own rotary embedding (`rope_parameters` keyed by
+layer type: a local base for sliding layers, the global base with its scaling
+for full ones). Gemma 3's config may carry `attn_logit_softcapping`, but
+transformers' Gemma 3 does not apply it, so neither does fw."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from fw.errors import ModelLoadError
+from fw.layers import (FUSED_PROJECTIONS, GatedMLP, Linear, ModelContext, RMSNorm, RotaryEmbedding, SelfAttention,
+                       dense_linear, load_named_weights, pack_dense_weight)
+from fw.plugins import ArchitectureSpec, hookimpl
+
+FW_PLUGIN_API_VERSION = "1.0"
+
+
+def gemma_norm(hidden_size: int, eps: float, dtype: torch.dtype) -> RMSNorm:
+    """Gemma stores (scale - 1): fw's RMSNorm with weight_offset 1 scales by (1 + weight) in fp32
+    and rounds once, Gemma's numerics."""
+    return RMSNorm(hidden_size, eps, dtype, weight_offset=1.0)
+
+
+class _RopeView:
+    """The config as one layer type's rotary embedding reads it: Gemma 3 keys `rope_parameters`
+    by layer type; fw's RotaryEmbedding (and transformers' rope initialisers) read one dict."""
+
+    def __init__(self, cfg: Any, layer_type: str):
+        self._cfg = cfg
+        self.rope_parameters = cfg.rope_parameters[layer_type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cfg, name)
+
+    def standardize_rope_params(self) -> None:
+        """Already standardised by the config class."""
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, prefix: str, version: int, layer_type: str):
+        super().__init__()
+        hidden, eps, head_dim = cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim
+        self.layer_type = layer_type
+        self.sandwich = version >= 2
+        sliding = layer_type == "sliding_attention"
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.input_layernorm = gemma_norm(hidden, eps, ctx.dtype)
+        self.self_attn = SelfAttention(
+            hidden, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, ctx, f"{prefix}.self_attn",
+            qkv_bias=bias, o_bias=bias,
+            scale=cfg.query_pre_attn_scalar ** -0.5 if version >= 2 else None,
+            sliding_window=cfg.sliding_window if sliding else None,
+            logit_softcap=cfg.attn_logit_softcapping if version == 2 else None,
+            qk_norm_eps=eps if version >= 3 else None, qk_norm_weight_offset=1.0,  # Gemma 3: per-head QK norm
+        )
+        self.post_attention_layernorm = gemma_norm(hidden, eps, ctx.dtype)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = gemma_norm(hidden, eps, ctx.dtype)
+            self.post_feedforward_layernorm = gemma_norm(hidden, eps, ctx.dtype)
+        act = cfg.hidden_act if version == 1 else cfg.hidden_activation
+        self.mlp = GatedMLP(hidden, cfg.intermediate_size, ctx, f"{prefix}.mlp", hidden_act=act)
+
+    def forward(self, x, residual, cos_sin, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, meta)
+        if not self.sandwich:  # Gemma: post_attention_layernorm is the MLP's pre-norm
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+
+def _layer_types(cfg, version: int) -> list[str]:
+    if version == 1:
+        return ["full_attention"] * cfg.num_hidden_layers
+    types = list(cfg.layer_types)
+    if len(types) != cfg.num_hidden_layers:
+        raise ModelLoadError(f"config.json: layer_types lists {len(types)} layers, the model has "
+                             f"{cfg.num_hidden_layers}")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ModelLoadError(f"config.json: unknown layer types {sorted(unknown)} (Gemma has sliding_attention "
+                             f"and full_attention)")
+    return types
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, max_positions: int, version: int):
+        super().__init__()
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ModelLoadError("this Gemma config sets use_bidirectional_attention (an embedding model); "
+                                 "fw generates text with causal attention only")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        # sqrt(hidden) rounded to the model dtype first, as transformers does (55.4256 -> 55.5 in bf16)
+        normalizer = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(ctx.dtype)
+        self.register_buffer("normalizer", normalizer, persistent=False)
+        types = _layer_types(cfg, version)
+        if version >= 3:  # one rotary embedding per layer type
+            ropes = {t: RotaryEmbedding(_RopeView(cfg, t), cfg.head_dim, max_positions, ctx.dtype) for t in set(types)}
+        else:
+            ropes = {"all": RotaryEmbedding(cfg, cfg.head_dim, max_positions, ctx.dtype)}
+        self.rotary = nn.ModuleDict(ropes)
+        self.rope_keys = [t if version >= 3 else "all" for t in types]
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(cfg, ctx, f"model.layers.{i}", version, t) for i, t in enumerate(types)
+        )
+        self.norm = gemma_norm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids) * self.normalizer, None
+        cos_sin = {key: rope(positions) for key, rope in self.rotary.items()}
+        for layer, key in zip(self.layers, self.rope_keys):
+            x, residual = layer(x, residual, cos_sin[key], meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class GemmaForCausalLM(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None, version: int = 1):
+        super().__init__()
+        self.config = cfg
+        self.model = GemmaModel(cfg, ctx, max_positions or cfg.max_position_embeddings, version)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if version >= 2 else None
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", True))
+        if not self.tie:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
+        self.device = ctx.device
+        self.tied_head: torch.Tensor | None = None  # the embedding packed for CPU matmuls, after loading
+
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tie:
+            head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
+            logits = dense_linear(hidden, head)
+        else:
+            logits = self.lm_head(hidden)
+        if self.final_softcap:  # in the model dtype, as transformers does
+            cap = self.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = ("rotary_emb.",) + (("lm_head.",) if self.tie else ())
+        loaded = load_named_weights(self, weights, fused=FUSED_PROJECTIONS, skip=skip)
+        if self.tie:
+            packed = pack_dense_weight(self.model.embed_tokens.weight.data, self.device)
+            self.tied_head = packed if packed.is_mkldnn else None
+        return loaded
+
+
+def build_gemma(cfg, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:
+    return GemmaForCausalLM(cfg, ctx, max_positions, version=1)
+
+
+def build_gemma2(cfg, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:
+    return GemmaForCausalLM(cfg, ctx, max_positions, version=2)
+
+
+def build_gemma3(cfg, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:
+    return GemmaForCausalLM(cfg, ctx, max_positions, version=3)
+
+
+@hookimpl
+def fw_register_architectures(register) -> None:
+    register(ArchitectureSpec(
+        name="gemma",
+        hf_architectures=("GemmaForCausalLM",),
+        build=build_gemma,
+        description="Gemma (GeGLU, (1 + w) RMSNorm, sqrt(hidden) embedding scale, tied embeddings)",
+    ))
+    register(ArchitectureSpec(
+        name="gemma2",
+        hf_architectures=("Gemma2ForCausalLM",),
+        build=build_gemma2,
+        description="Gemma 2 (interleaved sliding-window/global layers, attention and final logit soft-capping)",
+    ))
+    register(ArchitectureSpec(
+        name="gemma3",
+        hf_architectures=("Gemma3ForCausalLM",),
+        build=build_gemma3,
+        description="Gemma 3 text (sliding/global layers with their own rope bases, QK-norm, final soft-capping)",
+    ))

@@ -1,0 +1,154 @@
+"""Qwen2-MoE and Qwen3-MoE: Qwen decoders whose MLP is a sparse Mixture of Experts.
+
+Where they differ, as in transformers' modelling code:
+- Qwen2-MoE: q/k/v biases (`qkv_bias`), a shared expert every token runs, scaled by
+  sigmoid(shared_expert_gate(x)), and per-layer sliding windows from `layer_types`.
+- Qwen3-MoE: per-head RMSNorm on q and k before rotary (QK-norm), `attention_bias` on all four
+  projections, no shared expert.
+- Both: routing weights renormalised over the top-k only with `norm_topk_prob`, then cast to the
+  model dtype; layer i is sparse when i is not in `mlp_only_layers` and (i + 1) is a multiple of
+  `decoder_sparse_step`, otherwise a dense SwiGLU MLP of `intermediate_size`.
+
+Loads hub checkpoints (`mlp.experts.{e}.gate_proj/up_proj/down_proj`) and transformers 5's
+stacked layout (`mlp.experts.gate_up_proj` / `down_proj`)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from fw.layers import (FUSED_PROJECTIONS, GATED_EXPERT_NAMES, GatedMLP, Linear, ModelContext, RMSNorm,
+                       RotaryEmbedding, SelfAttention, SparseMoeBlock, dense_linear, load_moe_weights,
+                       pack_dense_weight)
+from fw.plugins import ArchitectureSpec, hookimpl
+
+FW_PLUGIN_API_VERSION = "1.0"
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def is_sparse_layer(cfg, i: int) -> bool:
+    """transformers' rule for which layers get experts."""
+    return (i not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0)
+
+
+def _sliding_window(cfg, i: int, qwen3: bool) -> int | None:
+    if not getattr(cfg, "use_sliding_window", False) or not getattr(cfg, "sliding_window", None):
+        return None
+    if qwen3:  # Qwen3-MoE windows every layer when enabled
+        return cfg.sliding_window
+    layer_types = getattr(cfg, "layer_types", None)
+    return cfg.sliding_window if layer_types and layer_types[i] == "sliding_attention" else None
+
+
+class QwenMoeDecoderLayer(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, i: int, qwen3: bool):
+        super().__init__()
+        prefix = f"model.layers.{i}"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        if qwen3:
+            bias = bool(getattr(cfg, "attention_bias", False))
+            attn_options = {"qkv_bias": bias, "o_bias": bias, "qk_norm_eps": cfg.rms_norm_eps}
+        else:  # configs written before transformers 5 have no `qkv_bias`: Qwen2 always had q/k/v biases
+            attn_options = {"qkv_bias": bool(getattr(cfg, "qkv_bias", True))}
+        self.self_attn = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                       _head_dim(cfg), ctx, f"{prefix}.self_attn",
+                                       sliding_window=_sliding_window(cfg, i, qwen3), **attn_options)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        if is_sparse_layer(cfg, i):
+            shared = None if qwen3 else getattr(cfg, "shared_expert_intermediate_size", None)
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                      cfg.num_experts_per_tok, ctx, f"{prefix}.mlp", hidden_act=cfg.hidden_act,
+                                      renormalize=bool(cfg.norm_topk_prob), weights_in_model_dtype=True,
+                                      shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared))
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx, f"{prefix}.mlp",
+                                hidden_act=cfg.hidden_act)
+
+    def forward(self, x, residual, cos_sin, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class QwenMoeModel(nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, max_positions: int, qwen3: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary = RotaryEmbedding(cfg, _head_dim(cfg), max_positions, ctx.dtype)
+        self.layers = nn.ModuleList(QwenMoeDecoderLayer(cfg, ctx, i, qwen3) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary(positions)
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos_sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class QwenMoeForCausalLM(nn.Module):
+    """Qwen2MoeForCausalLM (`qwen3=False`) and Qwen3MoeForCausalLM (`qwen3=True`)."""
+
+    def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None, qwen3: bool = False):
+        super().__init__()
+        self.config = cfg
+        self.model = QwenMoeModel(cfg, ctx, max_positions or cfg.max_position_embeddings, qwen3)
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
+        self.device = ctx.device
+        self.tied_head: torch.Tensor | None = None
+
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tie:
+            head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
+            return dense_linear(hidden, head)
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.tie else ())
+        loaded = load_moe_weights(self, weights, GATED_EXPERT_NAMES, fused=FUSED_PROJECTIONS, skip=skip)
+        if self.tie:
+            packed = pack_dense_weight(self.model.embed_tokens.weight.data, self.device)
+            self.tied_head = packed if packed.is_mkldnn else None
+        return loaded
+
+
+def build_qwen2_moe(cfg, ctx: ModelContext, max_positions: int | None = None) -> QwenMoeForCausalLM:
+    return QwenMoeForCausalLM(cfg, ctx, max_positions, qwen3=False)
+
+
+def build_qwen3_moe(cfg, ctx: ModelContext, max_positions: int | None = None) -> QwenMoeForCausalLM:
+    return QwenMoeForCausalLM(cfg, ctx, max_positions, qwen3=True)
+
+
+@hookimpl
+def fw_register_architectures(register) -> None:
+    register(ArchitectureSpec(
+        name="qwen2_moe",
+        hf_architectures=("Qwen2MoeForCausalLM",),
+        build=build_qwen2_moe,
+        description="Qwen2-MoE / Qwen1.5-MoE: top-k experts plus a sigmoid-gated shared expert",
+    ))
+    register(ArchitectureSpec(
+        name="qwen3_moe",
+        hf_architectures=("Qwen3MoeForCausalLM",),
+        build=build_qwen3_moe,
+        description="Qwen3-MoE: top-k experts, QK-norm",
+    ))
