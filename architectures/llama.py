@@ -36,12 +36,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, residual, cos_sin, meta):
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm.forward(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm.forward(x, residual)
+        x = self.self_attn.forward(x, cos_sin, meta)
+        x, residual = self.post_attention_layernorm.forward(x, residual)
+        return self.mlp.forward(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -60,7 +60,7 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary(positions)
         for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, meta)
+            x, residual = layer.forward(x, residual, cos_sin, meta)
         x, _ = self.norm(x, residual)
         return x
 

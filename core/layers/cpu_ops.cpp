@@ -213,6 +213,7 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       for (; i < inter; i += 16) {
         const __mmask16 m = tail_mask(inter - i);
         const __m512 x = load16(g + i, m);
+        // a true division, as torch: a reciprocal estimate was 30% faster but moved 0.1% of bf16 outputs
         const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_xor_ps(x, neg))));
         store16(o + i, _mm512_mul_ps(round16<T>(silu), load16(u + i, m)), m);
       }

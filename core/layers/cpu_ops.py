@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")  # package data
 _CFLAGS = DEFAULT_CFLAGS + ("-ffp-contract=off",)  # a * b + c stays two roundings, as in torch
 _ready = False
+_op: dict[str, Any] = {}  # name -> torch op overload, once built
 
 
 def wanted() -> bool:
@@ -45,6 +47,9 @@ def prepare(device: torch.device | str) -> str | None:
     if why is None:
         try:
             load_cpp_ops("cpu_ops", _SOURCE, _CFLAGS)
+            for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax"):
+                # the resolved overload: calling the packet resolves it again on every call (~2 us)
+                _op[name] = getattr(torch.ops.fw_cpu_ops, name).default
             _ready = True
             return None
         except FwError as exc:
@@ -59,12 +64,12 @@ def ready() -> bool:
 
 def usable(x: torch.Tensor) -> bool:
     """The ops take CPU tensors of 2 dims with contiguous rows."""
-    return _ready and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+    return _ready and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    torch.ops.fw_cpu_ops.rms_norm(x, weight, eps, weight_offset, out)
+    _op["rms_norm"](x, weight, eps, weight_offset, out)
     return out
 
 
@@ -72,25 +77,25 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  weight_offset: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual); the sum is written into `residual` itself."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    torch.ops.fw_cpu_ops.add_rms_norm(x, residual, weight, eps, weight_offset, out)
+    _op["add_rms_norm"](x, residual, weight, eps, weight_offset, out)
     return out, residual
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Rotate x [T, N * head_dim] in place by cos/sin [T, rotary_dim]; returns x."""
-    torch.ops.fw_cpu_ops.rotary(x, cos, sin, head_dim)
+    _op["rotary"](x, cos, sin, head_dim)
     return x
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim."""
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    torch.ops.fw_cpu_ops.silu_mul(gate_up, out)
+    _op["silu_mul"](gate_up, out)
     return out
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for 2-D x: the first maximum (a NaN counts as the maximum), in one pass."""
     out = torch.empty(x.shape[0], dtype=torch.long)
-    torch.ops.fw_cpu_ops.argmax(x, out)
+    _op["argmax"](x, out)
     return out

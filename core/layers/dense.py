@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
+# oneDNN's linear on a packed weight, as the resolved overload (the op packet resolves it on every call)
+_linear_pointwise = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
+
 
 def cpu_packing_available() -> bool:
     """oneDNN is built in and exposes the reorder/linear pair inductor uses."""
@@ -45,11 +48,13 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x [..., in] @ weight^T (+ bias), for a weight from `pack_dense_weight` (packed or plain)."""
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
+    if x.dim() == 2 and x.is_contiguous() and x.dtype == weight.dtype:  # the hot path: one op
+        return _linear_pointwise(x, weight, bias, "none", [], "")
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if flat.dtype != weight.dtype:
         raise TypeError(f"dense_linear: input dtype {flat.dtype} != weight dtype {weight.dtype}")
-    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+    out = _linear_pointwise(flat, weight, bias, "none", [], "")
     return out.view(*lead, out.shape[-1])
