@@ -14,14 +14,13 @@ transformers' Gemma 3 does not apply it, so neither does fw."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from fw.errors import ModelLoadError
-from fw.layers import (FUSED_PROJECTIONS, GatedMLP, Linear, ModelContext, RMSNorm, RotaryEmbedding, SelfAttention,
-                       dense_linear, load_named_weights, pack_dense_weight)
+from fw.layers import (CausalLM, GatedMLP, ModelContext, RMSNorm, RotaryEmbedding, SelfAttention)
 from fw.plugins import ArchitectureSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
@@ -132,39 +131,20 @@ class GemmaModel(nn.Module):
         return x
 
 
-class GemmaForCausalLM(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None, version: int = 1):
-        super().__init__()
-        self.config = cfg
-        self.model = GemmaModel(cfg, ctx, max_positions or cfg.max_position_embeddings, version)
-        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if version >= 2 else None
-        self.tie = bool(getattr(cfg, "tie_word_embeddings", True))
-        if not self.tie:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
-        self.device = ctx.device
-        self.tied_head: torch.Tensor | None = None  # the embedding packed for CPU matmuls, after loading
+class GemmaForCausalLM(CausalLM):
+    skip_weights = ("rotary_emb.",)
 
-    def forward(self, input_ids, positions, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None, version: int = 1):
+        super().__init__(cfg, ctx, GemmaModel(cfg, ctx, max_positions or cfg.max_position_embeddings, version),
+                         tie_by_default=True)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if version >= 2 else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tie:
-            head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
-            logits = dense_linear(hidden, head)
-        else:
-            logits = self.lm_head(hidden)
+        logits = super().compute_logits(hidden)
         if self.final_softcap:  # in the model dtype, as transformers does
             cap = self.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ("rotary_emb.",) + (("lm_head.",) if self.tie else ())
-        loaded = load_named_weights(self, weights, fused=FUSED_PROJECTIONS, skip=skip)
-        if self.tie:
-            packed = pack_dense_weight(self.model.embed_tokens.weight.data, self.device)
-            self.tied_head = packed if packed.is_mkldnn else None
-        return loaded
 
 
 def build_gemma(cfg, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:

@@ -6,13 +6,11 @@ selected attention backend over the paged KV cache."""
 
 from __future__ import annotations
 
-from typing import Iterable
 
 import torch
 from torch import nn
 
-from fw.layers import (FUSED_PROJECTIONS, GatedMLP, Linear, ModelContext, RMSNorm, RotaryEmbedding, SelfAttention,
-                       dense_linear, load_named_weights, pack_dense_weight)
+from fw.layers import (CausalLM, GatedMLP, ModelContext, RMSNorm, RotaryEmbedding, SelfAttention)
 from fw.plugins import ArchitectureSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
@@ -65,33 +63,9 @@ class LlamaModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None):
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg, ctx, max_positions or cfg.max_position_embeddings)
-        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
-        self.device = ctx.device
-        self.tied_head: torch.Tensor | None = None  # the embedding packed for CPU matmuls, after loading
-
-    def forward(self, input_ids, positions, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tie:
-            head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
-            return dense_linear(hidden, head)
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.tie else ())
-        loaded = load_named_weights(self, weights, fused=FUSED_PROJECTIONS, skip=skip)
-        if self.tie:
-            packed = pack_dense_weight(self.model.embed_tokens.weight.data, self.device)
-            self.tied_head = packed if packed.is_mkldnn else None
-        return loaded
+        super().__init__(cfg, ctx, LlamaModel(cfg, ctx, max_positions or cfg.max_position_embeddings))
 
 
 def unpermute_gguf_qk(name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:

@@ -14,8 +14,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from fw.layers import (FUSED_PROJECTIONS, MIXTRAL_EXPERT_NAMES, Linear, ModelContext, RMSNorm, RotaryEmbedding,
-                       SelfAttention, SparseMoeBlock, dense_linear, load_moe_weights, pack_dense_weight)
+from fw.layers import (CausalLM, FUSED_PROJECTIONS, MIXTRAL_EXPERT_NAMES, ModelContext, RMSNorm, RotaryEmbedding,
+                       SelfAttention, SparseMoeBlock, load_moe_weights)
 from fw.plugins import ArchitectureSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
@@ -67,34 +67,13 @@ class MixtralModel(nn.Module):
         return x
 
 
-class MixtralForCausalLM(nn.Module):
+class MixtralForCausalLM(CausalLM):
     def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None):
-        super().__init__()
-        self.config = cfg
-        self.model = MixtralModel(cfg, ctx, max_positions or cfg.max_position_embeddings)
-        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
-        self.device = ctx.device
-        self.tied_head: torch.Tensor | None = None
+        super().__init__(cfg, ctx, MixtralModel(cfg, ctx, max_positions or cfg.max_position_embeddings))
 
-    def forward(self, input_ids, positions, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tie:
-            head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
-            return dense_linear(hidden, head)
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.tie else ())
-        loaded = load_moe_weights(self, weights, MIXTRAL_EXPERT_NAMES, fused=FUSED_PROJECTIONS, skip=skip,
-                                  renames=((".block_sparse_moe.", ".mlp."),))
-        if self.tie:
-            packed = pack_dense_weight(self.model.embed_tokens.weight.data, self.device)
-            self.tied_head = packed if packed.is_mkldnn else None
-        return loaded
+    def load_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...]) -> set[str]:
+        return load_moe_weights(self, weights, MIXTRAL_EXPERT_NAMES, fused=FUSED_PROJECTIONS, skip=skip,
+                                renames=((".block_sparse_moe.", ".mlp."),))
 
 
 def build(cfg, ctx: ModelContext, max_positions: int | None = None) -> MixtralForCausalLM:

@@ -7,6 +7,7 @@ numerics so parity tests hold.
 
 from fw.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from fw.layers.blocks import ACTIVATIONS, FUSED_PROJECTIONS, GatedMLP, SelfAttention
+from fw.layers.causal_lm import CausalLM
 from fw.layers.context import ModelContext
 from fw.layers.dense import dense_linear, pack_dense_weight
 from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod
@@ -21,6 +22,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "ModelContext",
+    "CausalLM",
     "ACTIVATIONS",
     "FUSED_PROJECTIONS",
     "GatedMLP",

@@ -14,14 +14,10 @@ norm is ``model.layers.N.norm.weight``, the QK-norms ``...self_attn.q_norm.weigh
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fw.layers import FUSED_PROJECTIONS, GatedMLP, Linear, ModelContext, RotaryEmbedding, SelfAttention, \
-    load_named_weights
+from fw.layers import CausalLM, GatedMLP, ModelContext, RotaryEmbedding, SelfAttention
 
 
 def layer_norm(size: int, eps: float, dtype: torch.dtype) -> nn.LayerNorm:
@@ -62,27 +58,13 @@ class ParallelLMModel(nn.Module):
         return self.norm(x)
 
 
-class ParallelLMForCausalLM(nn.Module):
-    """What fw's engine expects of an architecture: forward, compute_logits, load_weights."""
+class ParallelLMForCausalLM(CausalLM):
+    """fw's engine calls forward, compute_logits and load_weights; fw.layers.CausalLM provides them around
+    `model`: the output projection (tied or not) and checkpoint loading, q/k/v into the fused qkv_proj and
+    gate/up into gate_up_proj."""
 
     def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None):
-        super().__init__()
-        self.model = ParallelLMModel(cfg, ctx, max_positions or cfg.max_position_embeddings)
-        self.tie = bool(cfg.tie_word_embeddings)
-        if not self.tie:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tie:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # q/k/v load into the fused qkv_proj, gate/up into gate_up_proj (fw.layers.FUSED_PROJECTIONS)
-        return load_named_weights(self, weights, fused=FUSED_PROJECTIONS, skip=("lm_head.",) if self.tie else ())
+        super().__init__(cfg, ctx, ParallelLMModel(cfg, ctx, max_positions or cfg.max_position_embeddings))
 
 
 def build(cfg, ctx: ModelContext, max_positions: int | None = None) -> ParallelLMForCausalLM:

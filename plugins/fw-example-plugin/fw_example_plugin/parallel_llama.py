@@ -10,13 +10,11 @@ plugin's tests compare it token for token with transformers.
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fw.layers import Attention, Linear, ModelContext, RMSNorm, RotaryEmbedding, apply_rotary, load_named_weights
+from fw.layers import Attention, CausalLM, Linear, ModelContext, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 def _head_dim(cfg) -> int:
@@ -93,33 +91,12 @@ class ExampleModel(nn.Module):
         return self.norm(x)
 
 
-class ExampleLlamaForCausalLM(nn.Module):
-    """The interface fw's engine expects of an architecture: forward, compute_logits, load_weights."""
-
-    # checkpoint sub-name -> (fused module sub-name, shard index)
-    FUSED = {
-        ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
-        ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
-    }
+class ExampleLlamaForCausalLM(CausalLM):
+    """fw's engine calls forward, compute_logits and load_weights; fw.layers.CausalLM provides them around
+    `model` (output projection, tied or not, and checkpoint loading into the fused projections)."""
 
     def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None):
-        super().__init__()
-        self.model = ExampleModel(cfg, ctx, max_positions or cfg.max_position_embeddings)
-        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tie:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.tie else ())
-        return load_named_weights(self, weights, fused=self.FUSED, skip=skip)
+        super().__init__(cfg, ctx, ExampleModel(cfg, ctx, max_positions or cfg.max_position_embeddings))
 
 
 def build(cfg, ctx: ModelContext, max_positions: int | None = None) -> ExampleLlamaForCausalLM:

@@ -1,0 +1,58 @@
+"""The wrapper every decoder family shares around its `model`: the output
+projection and checkpoint loading.
+
+The output projection is the family's own `lm_head`, or the input embedding
+when the config ties them (`tie_word_embeddings`); a tied head is packed for
+CPU matmuls once the weights are in, because the embedding itself stays in
+the plain layout its row lookups need."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from fw.layers.blocks import FUSED_PROJECTIONS
+from fw.layers.context import ModelContext
+from fw.layers.dense import dense_linear, pack_dense_weight
+from fw.layers.linear import Linear
+from fw.layers.weights import load_named_weights
+
+
+class CausalLM(nn.Module):
+    """`model` maps (input_ids, positions, attention metadata) to final hidden states and holds
+    `embed_tokens`. Subclasses change `skip_weights`, `load_checkpoint` (say, for expert weights) or
+    `compute_logits` (say, a final soft-cap) where their family differs."""
+
+    skip_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)  # checkpoint names that are not parameters
+
+    def __init__(self, cfg, ctx: ModelContext, model: nn.Module, tie_by_default: bool = False):
+        super().__init__()
+        self.config = cfg
+        self.model = model
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", tie_by_default))
+        if not self.tie:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
+        self.device = ctx.device
+        self.tied_head: torch.Tensor | None = None  # the embedding packed for CPU matmuls, after loading
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tie:
+            head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
+            return dense_linear(hidden, head)
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = self.load_checkpoint(weights, self.skip_weights + (("lm_head.",) if self.tie else ()))
+        if self.tie:
+            packed = pack_dense_weight(self.model.embed_tokens.weight.data, self.device)
+            self.tied_head = packed if packed.is_mkldnn else None
+        return loaded
+
+    def load_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...]) -> set[str]:
+        """Checkpoint tensors into parameters, q/k/v and gate/up into their fused projections."""
+        return load_named_weights(self, weights, fused=FUSED_PROJECTIONS, skip=skip)
