@@ -9,6 +9,8 @@ could not pass."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,17 +79,18 @@ def _generate(llm):
     return llm.generate(PROMPTS, params)
 
 
+# `auto` picks cpu_paged on CPU (windows and soft-caps in its C++ kernel); sdpa is the reference backend
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_greedy_tokens_and_logprobs_match_transformers(name, checkpoints, references):
+def test_greedy_tokens_and_logprobs_match_transformers(name, backend, checkpoints, references):
     refs = references(name)
     for ids, tokens, _ in refs:
         assert 12 <= len(ids) <= 40 and len(ids) > dense_models.WINDOW
         assert len(set(tokens)) >= 8, f"degenerate reference text {tokens}"  # the weights make varied text
-    llm = make_llm(checkpoints(name))
+    llm = make_llm(checkpoints(name), attention_backend=backend)
     loaded = llm.engine.loaded
     assert loaded.architecture.name == ARCH_NAMES[name]
-    if name in WINDOWED:  # auto falls back to the backend that can apply the window
-        assert loaded.attention.chosen.name == "sdpa"
+    assert loaded.attention.chosen.name == ("cpu_paged" if backend == "auto" else "sdpa")
     steps = record_steps(llm)
     _check(_generate(llm), refs)
     assert max(len(s) for s in steps) == len(PROMPTS)  # the prompts really shared steps
@@ -143,16 +146,28 @@ def test_gemma3_global_layers_use_their_own_rope(checkpoints, tokenizer):
     assert not torch.equal(rotary["sliding_attention"].cos, rotary["full_attention"].cos)
 
 
-def test_cpu_paged_refuses_window_and_softcap_and_auto_picks_sdpa(checkpoints):
+@pytest.mark.usefixtures("isolated_plugins")
+def test_a_backend_without_window_or_softcap_is_refused_and_auto_skips_it(checkpoints):
+    """Both built-in backends apply windows and soft-caps; a backend that declares neither (here a copy
+    of sdpa's spec, preferred by priority) is refused with the reasons, and auto passes it over."""
+    from plugin_fixtures import builtin_manager
+
+    manager = builtin_manager()
+    backends = manager.registry("attention_backend")
+    plain = dataclasses.replace(backends.get("sdpa"), name="plain", priority=100,
+                                supports_sliding_window=False, supports_logit_softcap=False)
+    backends.add(plain, plugin="tests", distribution="tests")
     with pytest.raises(UnsupportedConfigurationError, match="sliding-window attention not supported") as err:
-        make_llm(checkpoints("mistral"), attention_backend="cpu_paged")
-    assert "sdpa" in str(err.value)  # names the backend that would work
+        make_llm(checkpoints("mistral"), attention_backend="plain", plugins=manager)
+    assert "cpu_paged" in str(err.value) and "sdpa" in str(err.value)  # names the backends that would work
     with pytest.raises(UnsupportedConfigurationError, match="soft-capping not supported"):
-        make_llm(checkpoints("gemma2"), attention_backend="cpu_paged")
-    auto = make_llm(checkpoints("gemma2")).engine.loaded.attention
-    assert auto.chosen.name == "sdpa"
-    assert "sliding-window attention not supported" in auto.rejected["cpu_paged"]
-    assert "attention logit soft-capping not supported" in auto.rejected["cpu_paged"]
+        make_llm(checkpoints("gemma2"), attention_backend="plain", plugins=manager)
+    auto = make_llm(checkpoints("gemma2"), plugins=manager).engine.loaded.attention
+    assert auto.chosen.name == "cpu_paged"
+    assert "sliding-window attention not supported" in auto.rejected["plain"]
+    assert "attention logit soft-capping not supported" in auto.rejected["plain"]
+    no_window = make_llm(checkpoints("qwen3"), plugins=manager).engine.loaded.attention
+    assert no_window.chosen.name == "plain"  # a model without windows or caps may use it
 
 
 def test_qwen2_without_use_sliding_window_needs_no_window(checkpoints):

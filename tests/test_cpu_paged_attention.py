@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(cpu_paged._missing_toolchain() is not None,
                                 reason="no C++ toolchain to build the cpu_paged kernel")
 
 
-def reference(q, k_cache, v_cache, tables, seq_lens, scale):
-    """Gather each sequence's positions page by page, attend in fp32."""
+def reference(q, k_cache, v_cache, tables, seq_lens, scale, window=None, softcap=None):
+    """Gather each sequence's positions page by page, attend in fp32 (optionally the last `window` positions
+    only, and scores soft-capped after scaling)."""
     b, h, d = q.shape
     hkv, _, page, _ = k_cache.shape
     out = torch.empty_like(q)
@@ -26,7 +27,12 @@ def reference(q, k_cache, v_cache, tables, seq_lens, scale):
         pages, offsets = tables[i][pos // page], pos % page
         keys = k_cache[:, pages, offsets].float().repeat_interleave(h // hkv, 0)  # [H, L, D]
         values = v_cache[:, pages, offsets].float().repeat_interleave(h // hkv, 0)
-        probs = (torch.einsum("hd,hld->hl", q[i].float(), keys) * scale).softmax(-1)
+        scores = torch.einsum("hd,hld->hl", q[i].float(), keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if window:
+            scores[:, : max(0, int(seq_lens[i]) - window)] = float("-inf")
+        probs = scores.softmax(-1)
         out[i] = torch.einsum("hl,hld->hd", probs, values).to(q.dtype)
     return out
 
@@ -61,6 +67,31 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, head_dim, page, b
     cpu_paged.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, out)
     torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, tables, seq_lens, scale).float(),
                                atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", CASES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (18, 3.0), (1, None), (1000, None)],
+                         ids=["window5", "softcap2", "window18-softcap3", "window1", "window-beyond"])
+@pytest.mark.parametrize("page", [4, 16])
+def test_kernel_window_and_softcap_match_reference(dtype, tol, window, softcap, page):
+    gen = torch.Generator().manual_seed(page * 7 + (window or 0))
+    num_pages, max_blocks, heads, kv_heads, head_dim = 48, 12, 6, 2, 64
+    k_cache = torch.randn(kv_heads, num_pages, page, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_pages, page, head_dim, generator=gen).to(dtype)
+    lens = [1, page, page + 1, 3 * page - 1, 5, 2 * page, 37]  # windows start mid-page and on page boundaries
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        tables[i, : -(-n // page)] = torch.randperm(num_pages, generator=gen)[: -(-n // page)]
+    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 3).to(dtype)  # large scores: the cap bites
+    out = torch.empty_like(q)
+    scale = head_dim ** -0.5
+    cpu_paged.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, out, window, softcap)
+    want = reference(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap)
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+    unmasked = reference(q, k_cache, v_cache, tables, seq_lens, scale)
+    if window == 5 or softcap:  # the feature changes the result, so the comparison above can fail
+        assert (want.float() - unmasked.float()).abs().max() > 10 * tol
 
 
 # -- whole engines ------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Llama-family variants the `llama` plugin covers, each against transformers:
 Llama 3's rope scaling, linear rope scaling, and Mistral without a sliding window.
-A Mistral with a window is refused by a backend without windows (cpu_paged), with the
-reason; tests/test_arch_dense.py runs it with the window against transformers."""
+A Mistral with a window runs it in every layer (on cpu_paged by default); tests/test_arch_dense.py
+checks it against transformers on both backends."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from conftest import make_llm
 from fw import SamplingParams
-from fw.errors import UnsupportedConfigurationError
 from fw.layers.rotary import rope_inv_freq
 
 ROPES = {
@@ -76,9 +75,11 @@ def test_mistral_without_sliding_window_matches_transformers(tokenizer, tmp_path
     _compare(tmp_path, hf, tokenizer)
 
 
-def test_mistral_with_sliding_window_is_refused_by_cpu_paged_with_the_reason(tokenizer, tmp_path) -> None:
+def test_mistral_with_sliding_window_runs_its_window_on_every_layer(tokenizer, tmp_path) -> None:
     from transformers import MistralConfig, MistralForCausalLM
 
     _save(MistralForCausalLM, MistralConfig(**_common(tokenizer), sliding_window=32), tokenizer, tmp_path)
-    with pytest.raises(UnsupportedConfigurationError, match="sliding-window"):
-        make_llm(tmp_path, attention_backend="cpu_paged")
+    loaded = make_llm(tmp_path).engine.loaded
+    assert loaded.attention.chosen.name == "cpu_paged"
+    windows = {m.impl.sliding_window for m in loaded.model.modules() if hasattr(m, "impl")}
+    assert windows == {32}

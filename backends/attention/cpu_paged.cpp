@@ -126,6 +126,18 @@ void heads_avx512(int64_t G, const float* q, int64_t D, const T* k_head, const T
   }
 }
 
+// Before the softmax: optional soft-capping of the scaled scores, cap * tanh(s * scale / cap) (the scale is
+// then folded in: returns the scale the softmax must still apply), and -inf for the first `masked` keys
+// (those before a sliding window's start within the first page read).
+inline float cap_and_mask(float* row, int64_t len, float scale, float softcap, int64_t masked) {
+  if (softcap > 0.f) {
+    for (int64_t j = masked; j < len; ++j) row[j] = softcap * std::tanh(row[j] * scale / softcap);
+    scale = 1.f;
+  }
+  for (int64_t j = 0; j < masked; ++j) row[j] = -std::numeric_limits<float>::infinity();
+  return scale;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define FW_BF16_DOT 1
 // bf16 x bf16 -> fp32 dot products with vdpbf16ps (exact products, fp32 sums).
@@ -285,7 +297,8 @@ void values_bf16(const uint32_t* pairs, int64_t npairs, int64_t D, int64_t c0, c
 // bf16 sdpa does.
 void attend_bf16(const c10::BFloat16* q, int64_t q_stride_h, const c10::BFloat16* k_head,
                  const c10::BFloat16* v_head, const int64_t* table, int64_t len, int64_t P, int64_t G, int64_t D,
-                 float scale, c10::BFloat16* out, std::vector<float>& buf, std::vector<uint32_t>& ubuf) {
+                 float scale, float softcap, int64_t masked, c10::BFloat16* out, std::vector<float>& buf,
+                 std::vector<uint32_t>& ubuf) {
   const int64_t npairs = len / 2 + 1;
   buf.resize(size_t(G * D + G * len));
   ubuf.resize(size_t(G * D / 2 + G * npairs));
@@ -306,8 +319,10 @@ void attend_bf16(const c10::BFloat16* q, int64_t q_stride_h, const c10::BFloat16
       case 4: score_bf16<4>(qg, D, k_head, v_head, table, len, P, sg); break;
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    softmax_bf16(scores + g * len, len, scale, reinterpret_cast<uint16_t*>(pairs + g * npairs));
+  for (int64_t g = 0; g < G; ++g) {
+    const float rest = cap_and_mask(scores + g * len, len, scale, softcap, masked);
+    softmax_bf16(scores + g * len, len, rest, reinterpret_cast<uint16_t*>(pairs + g * npairs));
+  }
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int gb = int(std::min<int64_t>(4, G - g0));
     const uint32_t* pg = pairs + g0 * npairs;
@@ -354,7 +369,7 @@ inline void softmax(float* row, int64_t len) {
 // One (sequence, KV head): its G query heads attend over the first `len` cached positions.
 template <typename T>
 void attend(const T* q, int64_t q_stride_h, const T* k_head, const T* v_head, const int64_t* table, int64_t len, int64_t P,
-            int64_t G, int64_t D, float scale, T* out, std::vector<float>& buf) {
+            int64_t G, int64_t D, float scale, float softcap, int64_t masked, T* out, std::vector<float>& buf) {
   buf.resize(size_t(G * D * 2 + G * len));
   float* qf = buf.data();
   float* acc = qf + G * D;
@@ -380,7 +395,10 @@ void attend(const T* q, int64_t q_stride_h, const T* k_head, const T* v_head, co
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) softmax(scores + g * len, len);
+  for (int64_t g = 0; g < G; ++g) {
+    cap_and_mask(scores + g * len, len, 1.f, softcap, masked);  // q was scaled already
+    softmax(scores + g * len, len);
+  }
   if (vec) {
 #ifdef __AVX512F__
     heads_avx512<T>(G, qf, D, k_head, v_head, table, len, P, scores, true, acc);
@@ -400,7 +418,8 @@ void attend(const T* q, int64_t q_stride_h, const T* k_head, const T* v_head, co
 
 template <typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                 double softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(0), pages = k_cache.size(1), P = k_cache.size(2);
   const int64_t G = H / Hkv, max_blocks = block_tables.size(1);
@@ -423,24 +442,30 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv;
       const int64_t offset = (b * H + h * G) * D;
+      // A sliding window sees keys [len - window, len): skip the pages wholly before it, mask the rest.
+      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t* table = tables + b * max_blocks + start / P;
+      const int64_t len = lens[b] - (start / P) * P, masked = start % P;
 #ifdef FW_BF16_DOT
       if constexpr (is_bf16) {
         if (dot) {
           attend_bf16(qp + b * q_stride_b + h * G * q_stride_h, q_stride_h, kp + h * pages * P * D,
-                      vp + h * pages * P * D, tables + b * max_blocks, lens[b], P, G, D, float(scale), op + offset,
-                      buf, ubuf);
+                      vp + h * pages * P * D, table, len, P, G, D, float(scale), float(softcap), masked,
+                      op + offset, buf, ubuf);
           continue;
         }
       }
 #endif
-      attend<T>(qp + b * q_stride_b + h * G * q_stride_h, q_stride_h, kp + h * pages * P * D, vp + h * pages * P * D, tables + b * max_blocks, lens[b],
-                P, G, D, float(scale), op + offset, buf);
+      attend<T>(qp + b * q_stride_b + h * G * q_stride_h, q_stride_h, kp + h * pages * P * D, vp + h * pages * P * D,
+                table, len, P, G, D, float(scale), float(softcap), masked, op + offset, buf);
     }
   });
 }
 
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor out) {
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+            at::Tensor out) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
               "the caches and out must be contiguous, q along D");
@@ -450,9 +475,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(2) == k_cache.size(3), "head mismatch");
   TORCH_CHECK(out.sizes() == q.sizes() && block_tables.size(0) == q.size(0), "batch mismatch");
   switch (q.scalar_type()) {
-    case at::kFloat: decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
-    case at::kBFloat16: decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
-    case at::kHalf: decode_impl<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); break;
+    case at::kFloat: decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out); break;
+    case at::kBFloat16: decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out); break;
+    case at::kHalf: decode_impl<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, out); break;
     default: TORCH_CHECK(false, "cpu_paged: unsupported dtype ", q.scalar_type());
   }
 }
@@ -492,6 +517,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 
 TORCH_LIBRARY(fw_cpu_paged, m) {
   m.def("decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+        "int window, float softcap, "
         "Tensor(a!) out) -> ()");
   m.impl("decode", c10::DispatchKey::CPU, TORCH_FN(decode));
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");

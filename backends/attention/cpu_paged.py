@@ -47,12 +47,16 @@ def load_kernel() -> None:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor, window: int | None = None,
+                 softcap: float | None = None) -> None:
     """out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b, K_b/V_b the first seq_lens[b] positions of the
     pages block_tables[b] lists, read from k_cache/v_cache [Hkv, pages, page_size, D] of KV head
-    h // (H // Hkv). q and out: [B, H, D]."""
+    h // (H // Hkv). q and out: [B, H, D]. With `window`, only the last `window` positions count (a query
+    at p sees (p - window, p], as transformers); with `softcap`, scores become softcap * tanh(s / softcap)
+    after scaling, before the softmax."""
     load_kernel()
-    torch.ops.fw_cpu_paged.decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    torch.ops.fw_cpu_paged.decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0,
+                                  out)
 
 
 @dataclass
@@ -93,7 +97,8 @@ class CpuPagedBackend(AttentionBackend):
         torch.ops.fw_cpu_paged.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         rows: _Rows = meta.backend_state
         out = torch.empty_like(q)
-        paged_decode(q, k_cache, v_cache, rows.tables, rows.lens, self.scale, out)
+        paged_decode(q, k_cache, v_cache, rows.tables, rows.lens, self.scale, out, self.sliding_window,
+                     self.logit_softcap)
         return out
 
 
@@ -105,6 +110,8 @@ def fw_register_attention_backends(register) -> None:
         devices=("cpu",),
         dtypes=("float32", "bfloat16", "float16"),
         priority=10,
+        supports_sliding_window=True,
+        supports_logit_softcap=True,
         available=_missing_toolchain,
         description="C++ CPU attention (decode and prefill) reading K/V straight from the paged cache "
                     "(built at first use; needs a C++ compiler and ninja)",
