@@ -25,6 +25,8 @@ def _opt(help: str, **extra: Any) -> dict:
 
 
 MODEL_IMPLS = ("auto", "fw", "transformers")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+ROPE_TYPES = ("none", "normal", "neox")
 
 
 @dataclass
@@ -51,7 +53,19 @@ class EngineConfig:
     sampling_backend: str = field(default="default", metadata=_opt("Sampler plugin that makes the final token choice."))
     quantization: str | None = field(default=None, metadata=_opt(
         "Quantization method plugin; default: from the checkpoint's quantization_config."))
+    gguf_dequantize_at_load: bool | None = field(default=None, metadata=_opt(
+        "GGUF models: dequantize every weight once at load (more memory, faster) instead of keeping linear "
+        "weights packed and dequantizing per matmul (the gguf method). Default: dequantize on CPU, where the "
+        "packed reference path decodes ~6x slower, keep packed elsewhere; --quantization gguf keeps them packed."))
+    rope_type: str = field(default="none", metadata=_opt(
+        "GGUF models: llama.cpp rope layout of the q/k weights. none: the architecture's default; normal: "
+        "interleaved pairs (fw un-permutes q/k rows); neox: already rotate-half (used as stored).",
+        choices=ROPE_TYPES))
     kv_cache_page_size: int = field(default=16, metadata=_opt("Tokens per KV-cache page (block)."))
+    kv_cache_dtype: str = field(default="auto", metadata=_opt(
+        "dtype the KV cache is stored in: auto (the model's dtype), bfloat16, or fp8_e4m3 / fp8_e5m2 (1 byte per "
+        "value, scaled by the checkpoint's per-layer k_scale/v_scale, else 1.0); the attention backend must "
+        "support it (sdpa does).", choices=KV_CACHE_DTYPES))
     kv_cache_memory: str = field(default="1GiB", metadata=_opt(
         "KV-cache size on CPU, e.g. 512MiB, 2GiB, or a byte count."))
     device_memory_utilization: float = field(default=0.9, metadata=_opt(
@@ -98,6 +112,11 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-memory: {exc}") from None
         if self.model_impl not in MODEL_IMPLS:
             raise ConfigError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}; got {self.model_impl!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"--rope-type must be one of {', '.join(ROPE_TYPES)}; got {self.rope_type!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
 

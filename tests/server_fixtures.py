@@ -22,7 +22,9 @@ HOST = "127.0.0.1"
 # The bundled model (no --model); the default 1 GiB of KV cache is wasteful here. fp32, because the tests
 # compare batched with sequential greedy output: bf16 (the CPU default where it is native) rounds matmuls
 # differently for different batch shapes, so a near-tie may break the other way (as in vLLM).
-SMOLLM2_ARGS = ("--kv-cache-memory", "256MiB", "--dtype", "float32")
+# Dense weights (--gguf-dequantize-at-load): these tests time the server, not the gguf method's per-matmul
+# dequantization, which is several times slower (docs/choices.md).
+SMOLLM2_ARGS = ("--kv-cache-memory", "256MiB", "--dtype", "float32", "--gguf-dequantize-at-load")
 
 
 def free_port() -> int:

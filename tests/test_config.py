@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from fw.config import (
+    _fields,
     EngineConfig,
     add_config_arguments,
     env_name,
@@ -36,7 +37,10 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "attention_backend": (["--attention-backend", "sdpa"], "sdpa"),
     "sampling_backend": (["--sampling-backend", "mine"], "mine"),
     "quantization": (["--quantization", "fp8"], "fp8"),
+    "gguf_dequantize_at_load": (["--gguf-dequantize-at-load"], True),
+    "rope_type": (["--rope-type", "neox"], "neox"),
     "kv_cache_page_size": (["--kv-cache-page-size", "32"], 32),
+    "kv_cache_dtype": (["--kv-cache-dtype", "fp8_e4m3"], "fp8_e4m3"),
     "kv_cache_memory": (["--kv-cache-memory", "512MiB"], "512MiB"),
     "device_memory_utilization": (["--device-memory-utilization", "0.5"], 0.5),
     "num_kv_blocks": (["--num-kv-blocks", "100"], 100),
@@ -92,8 +96,8 @@ def test_every_field_has_a_flag_an_env_var_and_a_yaml_key(name, tmp_path):
 def test_flags_are_declared_once_per_field():
     flags = [s for a in parser()._actions for s in a.option_strings if s.startswith("--")]
     assert sorted(set(flags)) == sorted(flags)
-    expected = {flag_name(n) for n in FIELDS} | {f"--no-{flag_name(n)[2:]}" for n in FIELDS
-                                                 if isinstance(getattr(EngineConfig(), n), bool)}
+    booleans = {f.name for f, tp in _fields(EngineConfig) if tp is bool}  # bool and bool | None fields
+    expected = {flag_name(n) for n in FIELDS} | {f"--no-{flag_name(n)[2:]}" for n in booleans}
     assert set(flags) == expected | {"--config", "--help"}
 
 

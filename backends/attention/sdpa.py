@@ -12,7 +12,13 @@ at position p sees the keys at positions (p - window, p]; soft-capping
 replaces each scaled score s by cap * tanh(s / cap) before masking and softmax.
 A layer with neither runs exactly the plain path. Window masks are built once
 per step and window size and shared by the layers that use them; a prefill
-chunk with a window reads only the keys its queries can see."""
+chunk with a window reads only the keys its queries can see.
+
+KV cache dtypes (--kv-cache-dtype): a cache in another dtype than the model's
+is written converted and read back converted to the query dtype; an fp8 cache
+(e4m3 or e5m2) stores K / k_scale and V / v_scale saturated to the format's
+finite range, and the gathered pages are multiplied back by the scale before
+attention, so attention itself still runs in the model dtype."""
 
 from __future__ import annotations
 
@@ -81,7 +87,31 @@ class _State:
         return self.decode_window_masks[window]
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x in the cache dtype: fp8 values are x / scale, saturated (a plain cast would give NaN or inf)."""
+    if dtype not in _FP8:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    scaled = x.float() if scale == 1.0 else x.float() / scale
+    return scaled.clamp_(-limit, limit).to(dtype)
+
+
+def _dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cache values back in the query dtype (times the scale for fp8)."""
+    if x.dtype == dtype:
+        return x
+    out = x.to(dtype)
+    return out.mul_(scale) if x.dtype in _FP8 and scale != 1.0 else out
+
+
 class SdpaBackend(AttentionBackend):
+    # Per-layer K/V scales of an fp8 cache; the loader sets them from the checkpoint (default 1.0).
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
     @staticmethod
     def kv_cache_shape(num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """[2 (K, V), kv heads, pages, page_size, head dim]: head-major, so the pages of a sequence
@@ -122,17 +152,16 @@ class SdpaBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [Hkv, pages, page_size, D]
-        hkv, d_head = self.num_kv_heads, self.head_dim
-        k_cache.view(hkv, -1, d_head).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.view(hkv, -1, d_head).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        self._store(k_cache, k, self.k_scale, meta.slot_mapping)
+        self._store(v_cache, v, self.v_scale, meta.slot_mapping)
         state: _State = meta.backend_state
         out = torch.empty_like(q)
         d = state.num_decodes
         if d:
             if state.decode_rows is None:  # the same for every layer: computed by the first
                 state.decode_rows = self._rows(k_cache, state.decode_blocks)
-            keys = self._gather(k_cache, state.decode_rows, d)  # [Hkv, Bd, L, D]
-            values = self._gather(v_cache, state.decode_rows, d)
+            keys = _dequantize(self._gather(k_cache, state.decode_rows, d), q.dtype, self.k_scale)  # [Hkv, Bd, L, D]
+            values = _dequantize(self._gather(v_cache, state.decode_rows, d), q.dtype, self.v_scale)
             mask = state.decode_mask if self.sliding_window is None else state.decode_window_mask(self.sliding_window)
             out[:d] = self._decode(q[:d], keys, values, mask)
         for pf in state.prefills:
@@ -148,8 +177,9 @@ class SdpaBackend(AttentionBackend):
             page0 = first // k_cache.shape[2]  # pages wholly before the window are not read
             blocks, lo, hi = blocks[page0:], first - page0 * k_cache.shape[2], hi - page0 * k_cache.shape[2]
         rows = self._rows(k_cache, blocks)
-        keys = self._gather(k_cache, rows, 1)[:, 0, lo:hi].unsqueeze(0)  # [1, Hkv, k, D]
-        values = self._gather(v_cache, rows, 1)[:, 0, lo:hi].unsqueeze(0)
+        keys = _dequantize(self._gather(k_cache, rows, 1)[:, 0, lo:hi], q.dtype, self.k_scale)  # [Hkv, k, D]
+        values = _dequantize(self._gather(v_cache, rows, 1)[:, 0, lo:hi], q.dtype, self.v_scale)
+        keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # [1, Hkv, k, D]
         query = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if self.logit_softcap is None:
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
@@ -185,6 +215,15 @@ class SdpaBackend(AttentionBackend):
         probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
         return torch.matmul(probs, values).transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
+    def _store(self, cache: torch.Tensor, x: torch.Tensor, scale: float, slots: torch.Tensor) -> None:
+        """New K or V [T, Hkv, D] into their slots of one layer's cache [Hkv, pages, page_size, D]."""
+        rows = x.transpose(0, 1)
+        if cache.dtype != x.dtype:
+            rows = _quantize(rows, cache.dtype, scale)
+        if cache.dtype in _FP8:  # torch has no index_copy_ for fp8: move the bytes
+            cache, rows = cache.view(torch.uint8), rows.contiguous().view(torch.uint8)
+        cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slots, rows)
+
     @staticmethod
     def _rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Rows of the cache's 2-D (head * page, page_size * D) view that hold `blocks`, head-major."""
@@ -210,7 +249,8 @@ def fw_register_attention_backends(register) -> None:
         dtypes=("float32", "bfloat16", "float16"),
         supports_sliding_window=True,
         supports_logit_softcap=True,
+        kv_cache_dtypes=("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
         priority=0,
         description="torch scaled_dot_product_attention over the paged KV cache (reference backend; "
-                    "sliding windows and attention-logit soft-capping)",
+                    "sliding windows, attention-logit soft-capping, bf16/fp8 KV cache)",
     ))

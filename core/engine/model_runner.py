@@ -21,6 +21,11 @@ class StepLogits:
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]]
 
 
+def _cache_dtype(layer: Attention, model_dtype: torch.dtype) -> torch.dtype:
+    """The layer's --kv-cache-dtype as the loader bound it; the model dtype for layers built without it."""
+    return getattr(layer, "kv_cache_dtype", None) or model_dtype
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, attention_backend: type, num_blocks: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):
@@ -32,14 +37,13 @@ class ModelRunner:
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
         for layer in self.layers:
             shape = attention_backend.kv_cache_shape(num_blocks, page_size, layer.num_kv_heads, layer.head_dim)
-            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.kv_cache = torch.zeros(shape, dtype=_cache_dtype(layer, dtype), device=device)
 
     @staticmethod
     def kv_bytes_per_block(model: nn.Module, backend: type, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes one page costs over all layers, in the backend's own cache layout."""
-        size = torch.tensor([], dtype=dtype).element_size()
-        return sum(math.prod(backend.kv_cache_shape(1, page_size, m.num_kv_heads, m.head_dim)) * size
-                   for m in model.modules() if isinstance(m, Attention))
+        """Bytes one page costs over all layers, in the backend's own cache layout and each layer's cache dtype."""
+        return sum(math.prod(backend.kv_cache_shape(1, page_size, m.num_kv_heads, m.head_dim))
+                   * _cache_dtype(m, dtype).itemsize for m in model.modules() if isinstance(m, Attention))
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new: list[int]) -> StepLogits:

@@ -1,5 +1,6 @@
 """GGUF files: config from metadata, tokenizer via transformers (converted once,
-then cached), and weights dequantized with the `gguf` library.
+then cached), and weights either dequantized with the `gguf` library or handed
+on still packed (`GGUFWeight`) to a quantization method that keeps them so.
 
 Tensor names follow llama.cpp's conventions and are mapped to Hugging Face
 names here; architecture plugins may transform tensors further (Llama undoes
@@ -15,12 +16,14 @@ import shutil
 import tempfile
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
+from fw.config import ROPE_TYPES
 from fw.errors import ModelLoadError
+from fw.layers.gguf_weight import GGUFWeight
 from fw.paths import cache_dir
 
 _LAYER_NAMES = {
@@ -127,13 +130,20 @@ class GGUFModel:
                 shutil.rmtree(tmp, ignore_errors=True)
         return AutoTokenizer.from_pretrained(str(cached))
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) pairs, dequantized to `dtype`."""
+    def iter_weights(self, dtype: torch.dtype, keep_packed: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, "torch.Tensor | GGUFWeight"]]:
+        """(HF name, tensor) pairs, dequantized to `dtype`; names for which `keep_packed(name)` is true
+        come as `GGUFWeight` (block bytes, one row per output row) instead, whatever their type."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         for t in self.reader.tensors:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+            name = hf_tensor_name(t.name)
+            if keep_packed is not None and len(shape) == 2 and keep_packed(name):
+                data = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True).reshape(shape[0], -1))
+                yield name, GGUFWeight(data, int(t.tensor_type), t.tensor_type.name, shape)
+                continue
             try:
                 if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                     array = np.array(t.data)  # a copy: the memory map is read-only
@@ -143,7 +153,58 @@ class GGUFModel:
                 raise ModelLoadError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) "
                                      f"could not be dequantized: {exc}") from None
             tensor = torch.from_numpy(np.ascontiguousarray(array).reshape(shape)).to(dtype)
-            yield hf_tensor_name(t.name), tensor
+            yield name, tensor
+
+
+def is_packable_linear(name: str) -> bool:
+    """Checkpoint names a kept-quantized load hands on packed: 2-D weights except the embedding (its
+    rows are looked up, and a tied LM head reuses it dense)."""
+    return name.endswith(".weight") and "embed_tokens" not in name
+
+
+def unpermute_qk(name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
+    """Undo llama.cpp's `normal` (interleaved-pair) rope layout of q/k rows: HF's rotate-half order."""
+    if name.endswith("q_proj.weight"):
+        heads = cfg.num_attention_heads
+    elif name.endswith("k_proj.weight"):
+        heads = cfg.num_key_value_heads
+    else:
+        return tensor
+    rows = tensor.shape[0]
+    return tensor.reshape(heads, rows // heads // 2, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+
+
+
+def weight_transform(rope_type: str, arch_transform: Callable | None) -> Callable | None:
+    """--rope-type: `none` keeps the architecture plugin's GGUF transform (Llama: un-permute q/k),
+    `normal` un-permutes q/k rows whatever the architecture says, `neox` leaves them as stored.
+    `normal` and `neox` replace the architecture's transform (see docs/choices.md)."""
+    if rope_type == "none":
+        return arch_transform
+    if rope_type == "normal":
+        return unpermute_qk
+    if rope_type == "neox":
+        return None
+    raise ModelLoadError(f"--rope-type must be one of {', '.join(ROPE_TYPES)}; got {rope_type!r}")
+
+
+def transform_weight(transform: Callable, name: str, tensor, cfg):
+    """Apply a GGUF weight transform; to a packed weight only if it is a row permutation (rows of a
+    GGUF block format move whole), which the transform itself reveals on a column of row indices."""
+    if not isinstance(tensor, GGUFWeight):
+        return transform(name, tensor, cfg)
+    rows = tensor.shape[0]
+    probe = torch.arange(rows, dtype=torch.float64).unsqueeze(1)
+    moved = transform(name, probe, cfg)
+    if moved is probe:
+        return tensor
+    index = moved.reshape(-1).round().long() if moved.shape == probe.shape else None
+    if index is None or not torch.equal(index.sort().values, torch.arange(rows)):
+        raise ModelLoadError(f"{name}: the architecture's GGUF weight transform is not a row permutation, so the "
+                             f"weight cannot stay quantized; load the model with --gguf-dequantize-at-load")
+    if torch.equal(index, torch.arange(rows)):
+        return tensor
+    return tensor.permute_rows(index)
 
 
 def _tokenizer_cache_dir(path: Path) -> Path:

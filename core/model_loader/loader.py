@@ -15,9 +15,11 @@ from fw.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError,
 from fw.layers import cpu_ops
 from fw.layers.context import ModelContext
 from fw.model_loader.attention_needs import check_built_layers, logit_softcap_needed, sliding_window_needed
-from fw.model_loader.gguf_file import GGUFModel
+from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
 from fw.model_loader.hardware import cpu_has_native_bf16
+from fw.model_loader.kv_cache_dtype import KvScales, bind_kv_cache, kv_cache_requirement, resolve_kv_cache_dtype
 from fw.model_loader.hf import iter_safetensors, load_hf_config, load_tokenizer
+from fw.model_loader.quantized_weights import check_expert_tensors, check_method_supported
 from fw.model_loader.source import ModelSource, resolve_model
 from fw.plugins.manager import PluginManager
 from fw.plugins.selection import MoeKernelChooser, Selection, select_attention_backend
@@ -39,6 +41,7 @@ class LoadedModel:
     device: torch.device
     max_length: int
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    kv_cache_dtype: torch.dtype | None = None  # what the KV cache is stored in (--kv-cache-dtype)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -161,11 +164,12 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
         device=device.type, dtype=str(dtype).removeprefix("torch."), head_size=head_dim,
         page_size=cfg.kv_cache_page_size,
         sliding_window=sliding_window_needed(hf_config), logit_softcap=logit_softcap_needed(hf_config),
+        kv_cache_dtype=kv_cache_requirement(cfg.kv_cache_dtype, dtype),
     )
     name = None if cfg.attention_backend == "auto" else cfg.attention_backend
     attention = select_attention_backend(plugins.registry("attention_backend"), req, name)
 
-    quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins, device)
+    quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins, device, gguf is not None)
     cpu_ops.prepare(device)  # fused CPU layer ops, built (or loaded from the cache) before the model
     ctx = ModelContext(dtype=dtype, device=device, attention_backend=attention.chosen.backend_cls,
                        linear_method=linear_method,
@@ -173,9 +177,12 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     with torch.device("cpu"):
         model = arch.build(hf_config, ctx, max_length)
     check_built_layers(model, attention.chosen)
-    weights = gguf.iter_weights(dtype) if gguf is not None else iter_safetensors(source.path)
-    if gguf is not None and arch.gguf_weight_transform is not None:
-        weights = ((n, arch.gguf_weight_transform(n, t, hf_config)) for n, t in weights)
+    if quant_name is not None and gguf is None and getattr(hf_config, "quantization_config", None):
+        check_expert_tensors(model, source.path, quant_name, arch.name)
+    weights = _gguf_weights(cfg, gguf, arch, hf_config, dtype, linear_method) if gguf is not None \
+        else iter_safetensors(source.path)
+    kv_scales = KvScales()
+    weights = kv_scales.filter(weights)
     try:
         loaded = model.load_weights(weights)
     except ModelLoadError:
@@ -185,18 +192,47 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
         raise ModelLoadError(f"{source.path}: checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
+    kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
+    bind_kv_cache(model, kv_dtype, kv_scales)
     model.to(device).eval()
     logger.info("loaded %s (%s, %s) with attention backend %s", source.name, arch.name, dtype, attention.chosen.name)
     return LoadedModel(model, hf_config, tokenizer, source, arch, attention, quant_name, dtype, device, max_length,
-                       eos_ids(hf_config, tokenizer, source))
+                       eos_ids(hf_config, tokenizer, source), kv_cache_dtype=kv_dtype)
+
+
+def _gguf_weights(cfg: EngineConfig, gguf: GGUFModel, arch: ArchitectureSpec, hf_config, dtype: torch.dtype,
+                  linear_method):
+    """A GGUF file's tensors: linear weights still packed for a method that keeps GGUF blocks (the `gguf`
+    plugin), all dequantized otherwise (--gguf-dequantize-at-load, or --quantization NAME, whose method
+    then quantizes the float tensors its own way); q/k rows re-ordered per --rope-type."""
+    keep = is_packable_linear if getattr(linear_method, "keeps_gguf_blocks", False) else None
+    weights = gguf.iter_weights(dtype, keep_packed=keep)
+    transform = weight_transform(cfg.rope_type, arch.gguf_weight_transform)
+    if transform is not None:
+        weights = ((n, transform_weight(transform, n, t, hf_config)) for n, t in weights)
+    return weights
+
+
+def gguf_dequantizes_at_load(cfg: EngineConfig, device: torch.device) -> bool:
+    """`--gguf-dequantize-at-load`, or when not given: on CPU yes (the gguf method's plain-torch
+    dequantize-per-matmul decodes SmolLM2 at 14.8 tok/s against 92.3 on dense weights), elsewhere no
+    (device memory is the scarce resource there). `--quantization gguf` always keeps weights packed."""
+    if cfg.gguf_dequantize_at_load is not None:
+        return cfg.gguf_dequantize_at_load
+    return device.type == "cpu" and cfg.quantization != "gguf"
 
 
 def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins: PluginManager,
-                  device: torch.device):
+                  device: torch.device, gguf_source: bool = False):
     registry = plugins.registry("quantization_method")
     qcfg = getattr(hf_config, "quantization_config", None)
     if qcfg is not None and not isinstance(qcfg, dict):
         qcfg = qcfg.to_dict()
+    if gguf_source and cfg.gguf_dequantize_at_load and cfg.quantization == "gguf":
+        raise ConfigError("--quantization gguf keeps GGUF weights packed; --gguf-dequantize-at-load dequantizes "
+                          "them: pass one of the two")
+    if gguf_source and not gguf_dequantizes_at_load(cfg, device) and cfg.quantization is None:
+        qcfg = {"quant_method": "gguf"}  # a GGUF file is its own quantization config: weights stay packed
     name = cfg.quantization
     if name is None and qcfg:
         matches = [s for s in registry if s.detects is not None and s.detects(qcfg)]
@@ -204,6 +240,7 @@ def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins:
             raise UnsupportedConfigurationError(
                 f"the checkpoint is quantized ({qcfg.get('quant_method', 'unknown method')}) but no installed "
                 f"quantization plugin reads that format; installed: {', '.join(registry.names()) or 'none'}"
+                + (" (or pass --gguf-dequantize-at-load to run the GGUF file on dense weights)" if gguf_source else "")
             )
         name = matches[0].name
     if name is None:
@@ -216,9 +253,5 @@ def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins:
         reasons.append(why)
     if reasons:
         raise UnsupportedConfigurationError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
-    if arch.supported_quantization and name not in arch.supported_quantization:
-        raise UnsupportedConfigurationError(
-            f"architecture {arch.name} does not support quantization {name!r}; it supports "
-            f"{', '.join(arch.supported_quantization)}"
-        )
+    check_method_supported(arch, name)
     return name, spec.factory(qcfg or {})

@@ -24,7 +24,11 @@ class ArchitectureSpec:
     hf_architectures: tuple[str, ...]
     build: Callable[..., Any]
     gguf_architectures: tuple[str, ...] = ()
-    supported_quantization: tuple[str, ...] = ()
+    # Quantization methods are `LinearMethod`s, so a model built from `fw.layers.Linear` takes all of
+    # them: None (the default) accepts every installed method; a tuple opts out of the rest (() accepts
+    # none). Weights outside `Linear` (stacked MoE experts) stay in the model dtype whatever the method;
+    # a checkpoint that ships them quantized is refused by the loader (fw.model_loader.quantized_weights).
+    supported_quantization: tuple[str, ...] | None = None
     # (hf_name, tensor, hf_config) -> tensor, for GGUF files whose layout differs from HF's
     gguf_weight_transform: Callable[[str, Any, Any], Any] | None = None
     description: str = ""
@@ -39,7 +43,8 @@ class ArchitectureSpec:
         return {
             "hf_architectures": list(self.hf_architectures),
             "gguf_architectures": list(self.gguf_architectures),
-            "supported_quantization": list(self.supported_quantization),
+            "supported_quantization": (None if self.supported_quantization is None
+                                       else list(self.supported_quantization)),
             "fallback": self.fallback,
         }
 
@@ -54,6 +59,8 @@ class AttentionRequirements:
     page_size: int
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    # --kv-cache-dtype: "auto" when the cache holds K/V in the model dtype, else e.g. "fp8_e4m3"
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,9 @@ class AttentionBackendSpec:
     page_sizes: tuple[int, ...] | None = None
     supports_sliding_window: bool = False
     supports_logit_softcap: bool = False
+    # KV-cache dtypes (--kv-cache-dtype names) it reads and writes; "auto" is the model dtype. A backend
+    # listing fp8 ones quantizes K/V on write with its layer's `k_scale`/`v_scale` and dequantizes on read.
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
     priority: int = 0
     available: Callable[[], str | None] | None = None
     description: str = ""
@@ -90,6 +100,9 @@ class AttentionBackendSpec:
             reasons.append("sliding-window attention not supported")
         if req.logit_softcap and not self.supports_logit_softcap:
             reasons.append("attention logit soft-capping not supported")
+        if req.kv_cache_dtype not in self.kv_cache_dtypes:
+            reasons.append(f"KV cache dtype {req.kv_cache_dtype} not supported "
+                           f"(supports {', '.join(self.kv_cache_dtypes)})")
         if self.available is not None:
             why = self.available()
             if why:
@@ -104,6 +117,7 @@ class AttentionBackendSpec:
             "page_sizes": None if self.page_sizes is None else list(self.page_sizes),
             "sliding_window": self.supports_sliding_window,
             "logit_softcap": self.supports_logit_softcap,
+            "kv_cache_dtypes": list(self.kv_cache_dtypes),
             "priority": self.priority,
         }
 

@@ -1,0 +1,122 @@
+"""Unpacking the int32-packed integer weights GPTQ and AWQ checkpoints store, and
+helpers their fused-layer loading and block-wise matmuls share.
+
+Both formats put 32 // bits values in each int32, the first value in the lowest
+bits; they differ in the packed dimension (GPTQ: input rows of `qweight`,
+output columns of `qzeros`; AWQ: output columns of both) and in AWQ's
+interleaved order of the values inside one int32."""
+
+from __future__ import annotations
+
+import torch
+
+# AWQ's GEMM kernels pack output columns c*8 + [0, 2, 4, 6, 1, 3, 5, 7] into nibbles 0..7 of
+# int32 column c; nibble AWQ_REVERSE_ORDER[j] therefore holds column c*8 + j.
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
+# Output columns dequantized at once per matmul: bounds the transient float copy of a weight
+# (4M values = 16 MB in fp32) however large the layer is.
+BLOCK_VALUES = 1 << 22
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 values packed along `dim` -> one int32 value per element (unsigned, < 2**bits).
+
+    `order[j]` is the slot (counted from the lowest bits) that holds value j of each group;
+    None means slot j holds value j."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    if order is not None:
+        shifts = shifts[list(order)]
+    dim = dim % packed.dim()
+    shape = [1] * (packed.dim() + 1)
+    shape[dim + 1] = per_word
+    values = (packed.unsqueeze(dim + 1) >> shifts.view(shape)) & ((1 << bits) - 1)
+    new_shape = list(packed.shape)
+    new_shape[dim] *= per_word
+    return values.reshape(new_shape)
+
+
+def check_bits(method: str, bits: int, allowed: tuple[int, ...]) -> int:
+    if bits not in allowed:
+        from fw.errors import ConfigError
+
+        raise ConfigError(f"{method}: {bits}-bit weights are not supported (supported: "
+                          f"{', '.join(map(str, allowed))}); use a checkpoint quantized with one of those")
+    return bits
+
+
+def shard_columns(layer, shard: int | None, per_word: int = 1) -> tuple[int, int]:
+    """(start, size) of a fused layer's output shard, in units of `per_word` output columns.
+
+    Raises when a shard boundary would split one packed int32 between two projections."""
+    if shard is None:
+        start, size = 0, layer.output_size
+    else:
+        start, size = sum(layer.output_sizes[:shard]), layer.output_sizes[shard]
+    if start % per_word or size % per_word:
+        raise ValueError(f"{layer.prefix}: output shard {shard} (columns {start}..{start + size}) is not a "
+                         f"multiple of the {per_word} values packed per int32, so its packed tensors cannot be "
+                         f"placed in the fused layer")
+    return start // per_word, size // per_word
+
+
+def copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if target.shape != tensor.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
+def column_blocks(rows: int, columns: int, multiple: int = 1) -> list[tuple[int, int]]:
+    """[(start, end)] covering `columns`, each block at most BLOCK_VALUES values of `rows` rows
+    (block edges at multiples of `multiple`, so packed columns are never split)."""
+    step = max(multiple, (BLOCK_VALUES // max(rows, 1)) // multiple * multiple)
+    return [(s, min(s + step, columns)) for s in range(0, columns, step)]
+
+
+def checkpoint_module_names(prefix: str) -> list[str]:
+    """The checkpoint module names a fw layer stands for: itself, or for a fused layer
+    (`...qkv_proj`) the projections it fuses (`...q_proj`, `...k_proj`, `...v_proj`)."""
+    from fw.layers import FUSED_PROJECTIONS
+
+    names = [prefix]
+    dotted = prefix + "."
+    for sub, (fused_sub, _) in FUSED_PROJECTIONS.items():
+        if fused_sub in dotted:
+            names.append(dotted.replace(fused_sub, sub)[:-1])
+    return names
+
+
+def left_unquantized(prefix: str, quant_config: dict, lm_head_quantized: bool = False) -> bool:
+    """Whether the checkpoint keeps layer `prefix` in float: the LM head unless the config says it is
+    quantized (GPTQModel's `lm_head`), and modules listed in `modules_to_not_convert`."""
+    names = checkpoint_module_names(prefix)
+    if not lm_head_quantized and any(n == "lm_head" or n.endswith(".lm_head") for n in names):
+        return True
+    skip = quant_config.get("modules_to_not_convert") or []
+    return any(s and s in n for s in skip for n in names)  # transformers' rule: a substring of the name
+
+
+# Up to this many rows (decode steps), a matmul over contiguous groups runs group by group on the integer
+# codes (`grouped_matmul`) instead of forming the dequantized weight: fewer passes over the weight.
+GROUPED_MAX_ROWS = 16
+
+
+def grouped_matmul(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int | None = None) -> torch.Tensor:
+    """x [T, in] @ W^T for W^T[i, o] = scales[g, o] * (q[i, o] - zeros[g, o]), g = i // group_size
+    (default in / G), in float32. A last group shorter than `group_size` is padded with zero inputs.
+
+    Uses sum_i x[i] * s * (q[i] - z) = s * (sum_i x[i] q[i] - z * sum_i x[i]) per group: the weight
+    is read once as float codes (no subtract, multiply and cast passes over it), the rest is [G, T, out]."""
+    groups, columns = scales.shape
+    size = group_size or x.shape[1] // groups
+    x, q = x.float(), q.float()
+    if groups * size != x.shape[1]:
+        x = torch.nn.functional.pad(x, (0, groups * size - x.shape[1]))
+        q = torch.nn.functional.pad(q, (0, 0, 0, groups * size - q.shape[0]))
+    xg = x.reshape(x.shape[0], groups, size).transpose(0, 1)  # [G, T, group size]
+    partial = torch.bmm(xg, q.view(groups, size, columns))  # [G, T, out]
+    partial.sub_(xg.sum(-1, keepdim=True) * zeros[:, None]).mul_(scales[:, None])
+    return partial.sum(0)

