@@ -9,11 +9,8 @@ states `head_dim` explicitly (it need not be hidden_size / heads)."""
 
 from __future__ import annotations
 
-
-from torch import nn
-
 from fw.errors import ModelLoadError
-from fw.layers import (CausalLM, GatedMLP, ModelContext, RMSNorm, RotaryEmbedding, SelfAttention)
+from fw.layers import CausalLM, DecoderModel, GatedMLP, ModelContext, PreNormDecoderLayer, RMSNorm, SelfAttention
 from fw.plugins import ArchitectureSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
@@ -29,7 +26,7 @@ def layer_window(cfg, index: int) -> int | None:
     return cfg.sliding_window if cfg.layer_types[index] == "sliding_attention" else None
 
 
-class QwenDecoderLayer(nn.Module):
+class QwenDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg, ctx: ModelContext, prefix: str, index: int, qwen3: bool):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -44,41 +41,11 @@ class QwenDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx, f"{prefix}.mlp", hidden_act=cfg.hidden_act)
 
-    def forward(self, x, residual, cos_sin, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class QwenModel(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, max_positions: int, qwen3: bool):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary = RotaryEmbedding(cfg, head_dim, max_positions, ctx.dtype)
-        self.layers = nn.ModuleList(
-            QwenDecoderLayer(cfg, ctx, f"model.layers.{i}", i, qwen3) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-
-    def forward(self, input_ids, positions, meta):
-        x, residual = self.embed_tokens(input_ids), None
-        cos_sin = self.rotary(positions)
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, meta)
-        x, _ = self.norm(x, residual)
-        return x
-
 
 class QwenForCausalLM(CausalLM):
     def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None, qwen3: bool = False):
-        super().__init__(cfg, ctx, QwenModel(cfg, ctx, max_positions or cfg.max_position_embeddings, qwen3))
+        layers = (QwenDecoderLayer(cfg, ctx, f"model.layers.{i}", i, qwen3) for i in range(cfg.num_hidden_layers))
+        super().__init__(cfg, ctx, DecoderModel(cfg, ctx, max_positions or cfg.max_position_embeddings, layers))
 
 
 def build_qwen2(cfg, ctx: ModelContext, max_positions: int | None = None) -> QwenForCausalLM:

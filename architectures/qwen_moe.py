@@ -17,10 +17,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torch import nn
 
-from fw.layers import (CausalLM, FUSED_PROJECTIONS, GATED_EXPERT_NAMES, GatedMLP, ModelContext, RMSNorm,
-                       RotaryEmbedding, SelfAttention, SparseMoeBlock, load_moe_weights)
+from fw.layers import (FUSED_PROJECTIONS, GATED_EXPERT_NAMES, CausalLM, DecoderModel, GatedMLP, ModelContext,
+                       PreNormDecoderLayer, RMSNorm, SelfAttention, SparseMoeBlock, load_moe_weights)
 from fw.plugins import ArchitectureSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
@@ -45,7 +44,7 @@ def _sliding_window(cfg, i: int, qwen3: bool) -> int | None:
     return cfg.sliding_window if layer_types and layer_types[i] == "sliding_attention" else None
 
 
-class QwenMoeDecoderLayer(nn.Module):
+class QwenMoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg, ctx: ModelContext, i: int, qwen3: bool):
         super().__init__()
         prefix = f"model.layers.{i}"
@@ -69,40 +68,14 @@ class QwenMoeDecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx, f"{prefix}.mlp",
                                 hidden_act=cfg.hidden_act)
 
-    def forward(self, x, residual, cos_sin, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class QwenMoeModel(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, max_positions: int, qwen3: bool):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.rotary = RotaryEmbedding(cfg, _head_dim(cfg), max_positions, ctx.dtype)
-        self.layers = nn.ModuleList(QwenMoeDecoderLayer(cfg, ctx, i, qwen3) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-
-    def forward(self, input_ids, positions, meta):
-        x, residual = self.embed_tokens(input_ids), None
-        cos_sin = self.rotary(positions)
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, meta)
-        x, _ = self.norm(x, residual)
-        return x
-
 
 class QwenMoeForCausalLM(CausalLM):
     """Qwen2MoeForCausalLM (`qwen3=False`) and Qwen3MoeForCausalLM (`qwen3=True`)."""
 
     def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None, qwen3: bool = False):
-        super().__init__(cfg, ctx, QwenMoeModel(cfg, ctx, max_positions or cfg.max_position_embeddings, qwen3))
+        layers = (QwenMoeDecoderLayer(cfg, ctx, i, qwen3) for i in range(cfg.num_hidden_layers))
+        super().__init__(cfg, ctx, DecoderModel(cfg, ctx, max_positions or cfg.max_position_embeddings, layers,
+                                                _head_dim(cfg)))
 
     def load_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...]) -> set[str]:
         return load_moe_weights(self, weights, GATED_EXPERT_NAMES, fused=FUSED_PROJECTIONS, skip=skip)

@@ -6,7 +6,8 @@ numerics so parity tests hold.
 """
 
 from fw.layers.attention import Attention, AttentionBackend, AttentionMetadata
-from fw.layers.blocks import ACTIVATIONS, FUSED_PROJECTIONS, GatedMLP, SelfAttention
+from fw.layers.blocks import (ACTIVATIONS, FUSED_PROJECTIONS, DecoderModel, GatedMLP, PreNormDecoderLayer,
+                              SelfAttention)
 from fw.layers.causal_lm import CausalLM
 from fw.layers.context import ModelContext
 from fw.layers.dense import dense_linear, pack_dense_weight
@@ -15,7 +16,7 @@ from fw.layers.moe import (GATED_EXPERT_NAMES, MIXTRAL_EXPERT_NAMES, FusedExpert
                            TopKRouter, load_moe_weights, topk_routing)
 from fw.layers.norm import RMSNorm
 from fw.layers.rotary import RotaryEmbedding, apply_rotary, rotate_heads
-from fw.layers.weights import default_weight_loader, load_named_weights
+from fw.layers.weights import default_weight_loader, load_named_weights, unpermute_gguf_qk
 
 __all__ = [
     "Attention",
@@ -26,6 +27,8 @@ __all__ = [
     "ACTIVATIONS",
     "FUSED_PROJECTIONS",
     "GatedMLP",
+    "DecoderModel",
+    "PreNormDecoderLayer",
     "SelfAttention",
     "dense_linear",
     "pack_dense_weight",
@@ -46,4 +49,5 @@ __all__ = [
     "rotate_heads",
     "default_weight_loader",
     "load_named_weights",
+    "unpermute_gguf_qk",
 ]

@@ -22,7 +22,7 @@ from fw.layers.context import ModelContext
 from fw.layers.linear import Linear
 from fw.layers.norm import RMSNorm
 from fw.layers import cpu_ops
-from fw.layers.rotary import rotate_heads_
+from fw.layers.rotary import RotaryEmbedding, rotate_heads_
 
 # checkpoint sub-name -> (fused sub-name, shard index)
 FUSED_PROJECTIONS = {
@@ -114,3 +114,40 @@ class GatedMLP(nn.Module):
             return self.down_proj.forward(cpu_ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj.forward(self.act(gate) * up)
+
+
+class PreNormDecoderLayer(nn.Module):
+    """attention, then MLP, each after its RMSNorm, with the residual carried from layer to layer so each
+    norm also does the residual add (the fused pre-norm pattern of Llama, Qwen, Mixtral and friends).
+    Subclasses build `input_layernorm`, `self_attn`, `post_attention_layernorm` and `mlp`."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm.forward(x)
+        else:
+            x, residual = self.input_layernorm.forward(x, residual)
+        x = self.self_attn.forward(x, cos_sin, meta)
+        x, residual = self.post_attention_layernorm.forward(x, residual)
+        return self.mlp.forward(x), residual
+
+
+class DecoderModel(nn.Module):
+    """embed_tokens -> decoder layers (one rotary cos/sin per step, shared by all) -> final RMSNorm."""
+
+    def __init__(self, cfg, ctx: ModelContext, max_positions: int, layers, head_dim: int | None = None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        head_dim = head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary = RotaryEmbedding(cfg, head_dim, max_positions, ctx.dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary(positions)
+        for layer in self.layers:
+            x, residual = layer.forward(x, residual, cos_sin, meta)
+        x, _ = self.norm(x, residual)
+        return x

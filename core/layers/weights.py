@@ -52,3 +52,16 @@ def load_named_weights(
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
     return loaded
+
+
+def unpermute_gguf_qk(name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
+    """Undo llama.cpp's `normal` rope layout of q/k rows (interleaved pairs) into Hugging Face's
+    rotate-half order; other tensors pass through. A GGUF weight transform (ArchitectureSpec)."""
+    if name.endswith("q_proj.weight"):
+        heads = cfg.num_attention_heads
+    elif name.endswith("k_proj.weight"):
+        heads = cfg.num_key_value_heads
+    else:
+        return tensor
+    rows = tensor.shape[0]
+    return tensor.reshape(heads, rows // heads // 2, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)

@@ -24,6 +24,7 @@ import torch
 from fw.config import ROPE_TYPES
 from fw.errors import ModelLoadError
 from fw.layers.gguf_weight import GGUFWeight
+from fw.layers.weights import unpermute_gguf_qk
 from fw.paths import cache_dir
 
 _LAYER_NAMES = {
@@ -162,19 +163,6 @@ def is_packable_linear(name: str) -> bool:
     return name.endswith(".weight") and "embed_tokens" not in name
 
 
-def unpermute_qk(name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
-    """Undo llama.cpp's `normal` (interleaved-pair) rope layout of q/k rows: HF's rotate-half order."""
-    if name.endswith("q_proj.weight"):
-        heads = cfg.num_attention_heads
-    elif name.endswith("k_proj.weight"):
-        heads = cfg.num_key_value_heads
-    else:
-        return tensor
-    rows = tensor.shape[0]
-    return tensor.reshape(heads, rows // heads // 2, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
-
-
-
 def weight_transform(rope_type: str, arch_transform: Callable | None) -> Callable | None:
     """--rope-type: `none` keeps the architecture plugin's GGUF transform (Llama: un-permute q/k),
     `normal` un-permutes q/k rows whatever the architecture says, `neox` leaves them as stored.
@@ -182,7 +170,7 @@ def weight_transform(rope_type: str, arch_transform: Callable | None) -> Callabl
     if rope_type == "none":
         return arch_transform
     if rope_type == "normal":
-        return unpermute_qk
+        return unpermute_gguf_qk
     if rope_type == "neox":
         return None
     raise ModelLoadError(f"--rope-type must be one of {', '.join(ROPE_TYPES)}; got {rope_type!r}")
