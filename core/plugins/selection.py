@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fw.errors import UnknownImplementationError, UnsupportedConfigurationError
 from fw.plugins.registry import Registry
@@ -20,13 +20,12 @@ class Selection:
     explicit: bool = False
 
 
-def select_attention_backend(
-    registry: Registry[AttentionBackendSpec], req: AttentionRequirements, name: str | None = None
-) -> Selection:
-    """The named backend if it can run, else the highest-priority one that can.
+def _select_by_priority(registry: Registry, req: Any, name: str | None,
+                        refused: Callable[[str, str, str], str], none_usable: Callable[[str], str]) -> Selection:
+    """The named implementation if it can run, else the highest-priority one that can.
 
-    An explicit name that cannot run is an error listing its reasons and the
-    names that would work."""
+    `refused(name, reasons, working)` words the error for an explicit name that cannot run,
+    `none_usable(detail)` the error when nothing can."""
     rejected = {spec.name: spec.rejection_reasons(req) for spec in registry}
     usable = sorted((s for s in registry if not rejected[s.name]), key=lambda s: (-s.priority, s.name))
     rejected = {n: r for n, r in rejected.items() if r}
@@ -34,42 +33,39 @@ def select_attention_backend(
         spec = registry.get(name)
         if rejected.get(name):
             working = ", ".join(s.name for s in usable) or "none"
-            raise UnsupportedConfigurationError(
-                f"attention backend {name!r} cannot run this model here: {'; '.join(rejected[name])}. "
-                f"Backends that would work: {working}."
-            )
+            raise UnsupportedConfigurationError(refused(name, "; ".join(rejected[name]), working))
         return Selection(spec, rejected, explicit=True)
     if not usable:
         detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in sorted(rejected.items())) or "none installed"
-        raise UnsupportedConfigurationError(
-            f"no attention backend can run this model on {req.device} with {req.dtype} "
-            f"(head size {req.head_size}): {detail}"
-        )
+        raise UnsupportedConfigurationError(none_usable(detail))
     return Selection(usable[0], rejected)
+
+
+def select_attention_backend(
+    registry: Registry[AttentionBackendSpec], req: AttentionRequirements, name: str | None = None
+) -> Selection:
+    """The named backend if it can run, else the highest-priority one that can. An explicit name that
+    cannot run is an error listing its reasons and the names that would work."""
+    return _select_by_priority(
+        registry, req, name,
+        refused=lambda n, why, working: (f"attention backend {n!r} cannot run this model here: {why}. "
+                                         f"Backends that would work: {working}."),
+        none_usable=lambda detail: (f"no attention backend can run this model on {req.device} with {req.dtype} "
+                                    f"(head size {req.head_size}): {detail}"),
+    )
 
 
 def select_moe_kernel(registry: Registry[MoeKernelSpec], req: MoeRequirements, name: str | None = None) -> Selection:
     """The named MoE kernel if it can run, else the highest-priority one that can (as for attention)."""
-    rejected = {spec.name: spec.rejection_reasons(req) for spec in registry}
-    usable = sorted((s for s in registry if not rejected[s.name]), key=lambda s: (-s.priority, s.name))
-    rejected = {n: r for n, r in rejected.items() if r}
-    if name is not None and name != "auto":
-        spec = registry.get(name)
-        if rejected.get(name):
-            working = ", ".join(s.name for s in usable) or "none"
-            raise UnsupportedConfigurationError(
-                f"MoE kernel {name!r} cannot run this model here: {'; '.join(rejected[name])}. "
-                f"Pass --moe-backend with one that would work: {working} (or auto)."
-            )
-        return Selection(spec, rejected, explicit=True)
-    if not usable:
-        detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in sorted(rejected.items())) or "none installed"
-        raise UnsupportedConfigurationError(
+    return _select_by_priority(
+        registry, req, name,
+        refused=lambda n, why, working: (f"MoE kernel {n!r} cannot run this model here: {why}. "
+                                         f"Pass --moe-backend with one that would work: {working} (or auto)."),
+        none_usable=lambda detail: (
             f"no MoE kernel can run this model on {req.device} with {req.dtype} "
             f"({req.num_experts} experts, activation {req.activation}): {detail}. "
-            f"Install a moe_kernel plugin that can (`fw plugins list --kind moe_kernel` shows what is installed)."
-        )
-    return Selection(usable[0], rejected)
+            f"Install a moe_kernel plugin that can (`fw plugins list --kind moe_kernel` shows what is installed)."),
+    )
 
 
 class MoeKernelChooser:

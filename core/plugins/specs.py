@@ -14,6 +14,22 @@ KINDS = ("architecture", "attention_backend", "moe_kernel", "quantization_method
          "cli_command")
 
 
+def _device_and_dtype_reasons(spec, req) -> list[str]:
+    """The reasons shared by every selectable kind: the device and dtype it does not support."""
+    reasons = []
+    if req.device not in spec.devices:
+        reasons.append(f"device {req.device!r} not supported (supports {', '.join(spec.devices)})")
+    if req.dtype not in spec.dtypes:
+        reasons.append(f"dtype {req.dtype} not supported (supports {', '.join(spec.dtypes)})")
+    return reasons
+
+
+def _availability_reasons(spec) -> list[str]:
+    """What the spec's `available()` says against running in this process (a missing package, no GPU)."""
+    why = spec.available() if spec.available is not None else None
+    return [why] if why else []
+
+
 @dataclass(frozen=True)
 class ArchitectureSpec:
     """A model family. `build(hf_config, ctx, max_positions)` returns an `nn.Module` with
@@ -87,11 +103,7 @@ class AttentionBackendSpec:
     kind = "attention_backend"
 
     def rejection_reasons(self, req: AttentionRequirements) -> list[str]:
-        reasons = []
-        if req.device not in self.devices:
-            reasons.append(f"device {req.device!r} not supported (supports {', '.join(self.devices)})")
-        if req.dtype not in self.dtypes:
-            reasons.append(f"dtype {req.dtype} not supported (supports {', '.join(self.dtypes)})")
+        reasons = _device_and_dtype_reasons(self, req)
         if self.head_sizes is not None and req.head_size not in self.head_sizes:
             reasons.append(f"head size {req.head_size} not supported (supports {list(self.head_sizes)})")
         if self.page_sizes is not None and req.page_size not in self.page_sizes:
@@ -103,11 +115,7 @@ class AttentionBackendSpec:
         if req.kv_cache_dtype not in self.kv_cache_dtypes:
             reasons.append(f"KV cache dtype {req.kv_cache_dtype} not supported "
                            f"(supports {', '.join(self.kv_cache_dtypes)})")
-        if self.available is not None:
-            why = self.available()
-            if why:
-                reasons.append(why)
-        return reasons
+        return reasons + _availability_reasons(self)
 
     def summary(self) -> dict:
         return {
@@ -154,18 +162,10 @@ class MoeKernelSpec:
     kind = "moe_kernel"
 
     def rejection_reasons(self, req: MoeRequirements) -> list[str]:
-        reasons = []
-        if req.device not in self.devices:
-            reasons.append(f"device {req.device!r} not supported (supports {', '.join(self.devices)})")
-        if req.dtype not in self.dtypes:
-            reasons.append(f"dtype {req.dtype} not supported (supports {', '.join(self.dtypes)})")
+        reasons = _device_and_dtype_reasons(self, req)
         if self.activations is not None and req.activation not in self.activations:
             reasons.append(f"activation {req.activation!r} not supported (supports {', '.join(self.activations)})")
-        if self.available is not None:
-            why = self.available()
-            if why:
-                reasons.append(why)
-        return reasons
+        return reasons + _availability_reasons(self)
 
     def summary(self) -> dict:
         return {
