@@ -51,6 +51,13 @@ class EngineConfig:
         "MoE kernel plugin that computes Mixture-of-Experts layers' experts, or auto (the highest-priority one "
         "that can run)."))
     sampling_backend: str = field(default="default", metadata=_opt("Sampler plugin that makes the final token choice."))
+    grammar_backend: str = field(default="auto", metadata=_opt(
+        "Grammar backend plugin for structured output (response_format, guided_*), or auto: the highest-priority "
+        "installed one that supports the request's kind of constraint. A request may name its own."))
+    tool_call_parser: str = field(default="auto", metadata=_opt(
+        "Tool-call parser plugin that extracts tool calls from the text of chat requests with tool_choice auto "
+        "(e.g. hermes, llama3_json), or auto: the one that recognises the model's chat template; with none "
+        "that fits, tool_choice auto with tools is refused (required and named choices need no parser)."))
     quantization: str | None = field(default=None, metadata=_opt(
         "Quantization method plugin; default: from the checkpoint's quantization_config."))
     gguf_dequantize_at_load: bool | None = field(default=None, metadata=_opt(

@@ -102,7 +102,11 @@ def test_plugins_list_json_and_kind_filter(capsys):
     architectures = listed(capsys, "--kind", "architecture")
     assert {"llama", "gemma", "qwen", "mixtral", "qwen_moe", "transformers"} <= set(architectures)
     assert all(set(row["provides"]) == {"architecture"} for row in architectures.values())
-    assert listed(capsys, "--kind", "grammar_backend") == {}
+    grammar = listed(capsys, "--kind", "grammar_backend")
+    assert {name: row["provides"] for name, row in grammar.items()} == {
+        "xgrammar": {"grammar_backend": ["xgrammar"]}, "outlines": {"grammar_backend": ["outlines"]}}
+    parsers = listed(capsys, "--kind", "tool_parser")
+    assert {"hermes", "llama3_json"} <= set(parsers)
 
     with pytest.raises(SystemExit):
         main(["plugins", "list", "--kind", "widgets"])

@@ -36,6 +36,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "max_length": (["--max-length", "512"], 512),
     "attention_backend": (["--attention-backend", "sdpa"], "sdpa"),
     "sampling_backend": (["--sampling-backend", "mine"], "mine"),
+    "grammar_backend": (["--grammar-backend", "outlines"], "outlines"),
+    "tool_call_parser": (["--tool-call-parser", "hermes"], "hermes"),
     "quantization": (["--quantization", "fp8"], "fp8"),
     "gguf_dequantize_at_load": (["--gguf-dequantize-at-load"], True),
     "rope_type": (["--rope-type", "neox"], "neox"),

@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from fw.server.config import ServerConfig
     from fw.server.metrics import ServerMetrics
     from fw.server.state import ServerState
+    from fw.plugins.manager import get_plugin_manager
+    from fw.server.tools import check_tool_parser_flag
 
     engine_config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))
     server_config = resolve_config(cli=vars(args), config_file=args.config, cls=ServerConfig,
@@ -49,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     model_arg = engine_config.model
     if engine_config.model is None:
         engine_config.model = default_model()
+    # A mistyped --tool-call-parser fails now, not at the first tool request after a model load.
+    check_tool_parser_flag(get_plugin_manager().registry("tool_parser"), engine_config.tool_call_parser)
     print(f"fw: loading {engine_config.model} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(engine_config)
     names = served_names(server_config, model_arg, engine.loaded.source.path)

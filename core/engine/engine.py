@@ -23,6 +23,8 @@ from fw.engine.outputs import CompletionOutput, RequestOutput
 from fw.engine.request import Request, Sequence
 from fw.engine.scheduler import Scheduler
 from fw.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from fw.grammar.service import GrammarService, SequenceGrammar
+from fw.grammar.tokenizer import GrammarTokenizer
 from fw.model_loader.loader import load_model
 from fw.plugins.manager import PluginManager, get_plugin_manager
 from fw.sampling.batch import SamplingBatch
@@ -61,6 +63,9 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, page,
                                   loaded.dtype, loaded.device)
         self.sampler = SamplerPipeline(self.plugins.registry("sampler"), config.sampling_backend)
+        self.grammar = GrammarService(self.plugins.registry("grammar_backend"),
+                                      GrammarTokenizer(self.tokenizer, self.vocab_size, loaded.eos_token_ids),
+                                      config.grammar_backend)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_blocks, page, num_blocks * page)
@@ -120,6 +125,9 @@ class LLMEngine:
         if params.max_tokens is None:
             # A copy: the caller's params may be shared by prompts of other lengths.
             params = dataclasses.replace(params, max_tokens=self.max_sequence_tokens - len(ids))
+        grammar = None
+        if params.structured_outputs is not None:  # compile errors refuse the request here
+            grammar = self.grammar.new_grammar(params.structured_outputs)
         req = Request(request_id, prompt, ids, params, delta=delta)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -130,6 +138,9 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                            params.include_stop_str_in_output)
             seq = Sequence(req, i, params, list(ids), len(ids), detok, generator)
+            if grammar is not None:
+                backend, compiled, compiler = grammar
+                seq.grammar = SequenceGrammar(backend, compiler, compiled.matcher())
             if params.logprobs is not None:
                 seq.logprobs = []
             req.seqs.append(seq)
@@ -211,7 +222,8 @@ class LLMEngine:
         if result.sample_seqs:
             sampling = SamplingBatch(result.sample_seqs, self.vocab_size, self.loaded.device,
                                      self.loaded.eos_token_ids)
-            sampled = self.sampler.sample(result.sample_logits, sampling)
+            grammar_mask = self.grammar.fill_bitmask([s.grammar for s in result.sample_seqs])
+            sampled = self.sampler.sample(result.sample_logits, sampling, grammar_mask)
             now = time.monotonic()
             for seq, token, lp in zip(result.sample_seqs, sampled.token_ids, sampled.logprobs):
                 req = seq.request
@@ -221,6 +233,8 @@ class LLMEngine:
                     continue
                 if req.first_token_time is None:
                     req.first_token_time = now
+                if seq.grammar is not None and not self._grammar_accepts(seq, token):
+                    continue
                 self._append(seq, token, lp)
         outputs = []
         for req in touched.values():
@@ -258,6 +272,18 @@ class LLMEngine:
             return self._finish(seq, "stop", stop_str)
         if n_out >= p.max_tokens or seq.num_tokens >= self.max_length:
             self._finish(seq, "length")
+
+    def _grammar_accepts(self, seq: Sequence, token: int) -> bool:
+        """Advance the sequence's matcher. A token the grammar refuses (only possible if a backend's
+        mask and its matcher disagree) ends the sequence instead of producing output that breaks
+        the constraint; a stop token after the grammar's end still stops it normally."""
+        matcher = seq.grammar.matcher
+        if matcher.accept_token(token) or (token in self.loaded.eos_token_ids and matcher.is_terminated()):
+            return True
+        logger.error("grammar backend %s refused token %d that its mask allowed; ending sequence %d of %s",
+                     seq.grammar.backend, token, seq.index, seq.request.request_id)
+        self._finish(seq, "stop")
+        return False
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason

@@ -11,6 +11,7 @@ import torch
 
 from fw.engine.detokenizer import IncrementalDetokenizer
 from fw.engine.outputs import Logprob
+from fw.grammar.service import SequenceGrammar
 from fw.sampling.params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Sequence:
     sent_text_len: int = 0  # for streaming deltas
     sent_token_len: int = 0
     num_preemptions: int = 0
+    grammar: SequenceGrammar | None = None  # structured output: this sequence's matcher
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from fw.plugins.specs import (
     MoeRequirements,
     QuantizationMethodSpec,
     SamplerSpec,
+    ToolParserSpec,
 )
 from fw.version import PLUGIN_API_VERSION
 
@@ -36,4 +37,5 @@ __all__ = [
     "MoeRequirements",
     "QuantizationMethodSpec",
     "SamplerSpec",
+    "ToolParserSpec",
 ]

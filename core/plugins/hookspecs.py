@@ -50,6 +50,11 @@ def fw_register_grammar_backends(register) -> None:
 
 
 @hookspec
+def fw_register_tool_parsers(register) -> None:
+    """Register `ToolParserSpec`s: tool-call parsers for chat requests with tool_choice auto."""
+
+
+@hookspec
 def fw_register_cli_commands(register) -> None:
     """Register `CliCommandSpec`s: new `fw <name>` subcommands."""
 

@@ -39,6 +39,7 @@ HOOKS = {
     "quantization_method": "fw_register_quantization_methods",
     "sampler": "fw_register_samplers",
     "grammar_backend": "fw_register_grammar_backends",
+    "tool_parser": "fw_register_tool_parsers",
     "cli_command": "fw_register_cli_commands",
 }
 assert set(HOOKS) == set(KINDS)

@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 from fw.errors import UnknownImplementationError, UnsupportedConfigurationError
 from fw.plugins.registry import Registry
-from fw.plugins.specs import AttentionBackendSpec, AttentionRequirements, MoeKernelSpec, MoeRequirements
+from fw.plugins.specs import (AttentionBackendSpec, AttentionRequirements, GrammarBackendSpec, MoeKernelSpec,
+                             MoeRequirements)
 
 logger = logging.getLogger("fw.plugins")
 
@@ -94,3 +95,16 @@ class MoeKernelChooser:
                         req.num_experts, req.top_k, req.dtype)
         self.selection = self._chosen[req]
         return self.selection.chosen.kernel_cls()
+
+
+def select_grammar_backend(registry: Registry[GrammarBackendSpec], constraint_kind: str,
+                           name: str | None = None) -> Selection:
+    """The named grammar backend if it compiles this kind of constraint here, else the
+    highest-priority one that does."""
+    return _select_by_priority(
+        registry, constraint_kind, name,
+        refused=lambda n, why, working: (f"grammar backend {n!r} cannot take this request: {why}. "
+                                         f"Backends that would: {working}."),
+        none_usable=lambda detail: (f"no grammar backend can compile a {constraint_kind} constraint: {detail}. "
+                                    f"Install one: pip install xgrammar outlines-core"),
+    )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 KINDS = ("architecture", "attention_backend", "moe_kernel", "quantization_method", "sampler", "grammar_backend",
-         "cli_command")
+         "tool_parser", "cli_command")
 
 
 def _device_and_dtype_reasons(spec, req) -> list[str]:
@@ -214,19 +214,47 @@ class SamplerSpec:
 
 @dataclass(frozen=True)
 class GrammarBackendSpec:
-    """A structured-output backend. `factory(tokenizer)` returns a compiler of
-    constraints (JSON schema, regex, choice, grammar) into token matchers."""
+    """A structured-output backend. `factory(tokenizer: fw.grammar.GrammarTokenizer)` returns a
+    `fw.grammar.GrammarCompiler` of constraints into per-sequence matchers (the contract is in
+    fw.grammar.contract). `constraint_kinds` are the `fw.grammar.CONSTRAINT_KINDS` it compiles;
+    `auto` picks the highest `priority` that supports a request's kind and is `available`."""
 
     name: str
     factory: Callable[[Any], Any]
-    constraint_kinds: tuple[str, ...] = ("json_schema", "regex", "choice")
+    constraint_kinds: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice")
     priority: int = 0
     available: Callable[[], str | None] | None = None
     description: str = ""
     kind = "grammar_backend"
 
+    def rejection_reasons(self, constraint_kind: str) -> list[str]:
+        reasons = []
+        if constraint_kind not in self.constraint_kinds:
+            reasons.append(f"{constraint_kind} constraints not supported (supports {', '.join(self.constraint_kinds)})")
+        return reasons + _availability_reasons(self)
+
     def summary(self) -> dict:
         return {"constraint_kinds": list(self.constraint_kinds), "priority": self.priority}
+
+
+@dataclass(frozen=True)
+class ToolParserSpec:
+    """Extracts tool calls from generated text for chat requests with `tool_choice: "auto"`.
+    `factory(tools: list[dict])` (the request's function definitions) returns a fresh
+    `fw.tool_parsing.ToolParser` per generated choice. `--tool-call-parser NAME` picks one; `auto`
+    picks the highest `priority` whose `detects(chat_template_text)` is true. `tool_prompt_format`
+    tells a model whose template ignores tools how to write a call (fw adds it to the tool prompt)."""
+
+    name: str
+    factory: Callable[[list[dict]], Any]
+    detects: Callable[[str], bool] | None = None
+    priority: int = 0
+    tool_prompt_format: str = ""
+    description: str = ""
+    kind = "tool_parser"
+
+    def summary(self) -> dict:
+        return {"detects_template": self.detects is not None, "priority": self.priority}
 
 
 @dataclass(frozen=True)
@@ -244,7 +272,7 @@ class CliCommandSpec:
 
 
 Spec = (ArchitectureSpec | AttentionBackendSpec | MoeKernelSpec | QuantizationMethodSpec | SamplerSpec
-        | GrammarBackendSpec | CliCommandSpec)
+        | GrammarBackendSpec | ToolParserSpec | CliCommandSpec)
 
 
 __all__ = [
@@ -257,5 +285,6 @@ __all__ = [
     "QuantizationMethodSpec",
     "SamplerSpec",
     "GrammarBackendSpec",
+    "ToolParserSpec",
     "CliCommandSpec",
 ]

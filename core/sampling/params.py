@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fw.errors import InvalidRequestError
+from fw.grammar.constraint import StructuredOutputsParams
 
 
 @dataclass
@@ -17,7 +18,8 @@ class SamplingParams:
     else shares its batch. `logprobs=N` returns, per generated token, the
     chosen token's log-probability plus the top N alternatives; `prompt_logprobs`
     does the same for prompt tokens. `extra_args` carries options for
-    third-party sampler plugins.
+    third-party sampler plugins. `structured_outputs` constrains the output to a JSON
+    schema, regex, choice or grammar (a dict of the same fields is accepted).
     """
 
     n: int = 1
@@ -39,6 +41,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -46,6 +49,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise InvalidRequestError(f"structured_outputs: {exc}", param="structured_outputs") from None
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0  # -1 and None mean "off", as in vLLM
         self._validate()

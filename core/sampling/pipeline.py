@@ -1,5 +1,7 @@
-"""Runs sampler plugins over a batch: logits stages in order, then the chosen
-final-choice sampler, then log-probabilities of the model's distribution."""
+"""Runs sampler plugins over a batch: the grammar mask (structured output), the
+logits stages in order, then the chosen final-choice sampler, then
+log-probabilities of the model's distribution (after the grammar mask, as in
+vLLM: a token the grammar forbids has logprob -inf)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from fw.engine.outputs import Logprob
 from fw.errors import ConfigError
+from fw.grammar.bitmask import apply_token_bitmask
 from fw.plugins.registry import Registry
 from fw.sampling.batch import SamplingBatch
 
@@ -34,14 +37,25 @@ class SamplerPipeline:
         self.chooser = choices[choice].factory()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch,
+               grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> SampleResult:
+        """`grammar_mask`: (bitmask, rows) from `GrammarService.fill_bitmask`, applied to those rows
+        before every stage."""
         # Inference mode like the forward pass that made `logits`: stages may edit them in place,
         # which torch forbids on inference tensors outside it.
+        masked_rows = masked = None
+        if grammar_mask is not None:
+            bitmask, rows = grammar_mask
+            masked_rows = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            apply_token_bitmask(logits, bitmask, masked_rows)
+            masked = logits[masked_rows]  # a copy: stages may edit `logits` in place
         want_logprobs = [p.logprobs is not None for p in batch.params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         for stage in self.stages:
             if any(stage.is_active(p) for p in batch.params):
                 logits = stage.apply(logits, batch)
+        if masked_rows is not None:
+            _revive_dead_rows(logits, masked_rows, masked, batch.eos_token_ids)
         tokens = self.chooser.choose(logits, batch)
         token_list = tokens.tolist()
         logprobs: list[dict[int, Logprob] | None] = [None] * len(batch)
@@ -50,6 +64,22 @@ class SamplerPipeline:
                 if p.logprobs is not None:
                     logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
         return SampleResult(token_list, logprobs)
+
+
+def _revive_dead_rows(logits: torch.Tensor, rows: torch.Tensor, masked: torch.Tensor,
+                      eos_token_ids: frozenset[int]) -> None:
+    """A grammar row that the stages left with no allowed token (min_tokens forbids the stop token
+    that is all the grammar allows) falls back to the grammar's own mask; one the grammar itself
+    left empty gets its stop tokens. Sampling an all -inf row would fail the whole batch's step."""
+    dead = torch.isneginf(logits[rows]).all(dim=1)
+    if not bool(dead.any()):
+        return
+    revived = masked[dead]
+    empty = torch.isneginf(revived).all(dim=1)
+    if bool(empty.any()) and eos_token_ids:
+        stops = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=logits.device)
+        revived[empty.nonzero().squeeze(1).unsqueeze(1), stops.unsqueeze(0)] = 0.0
+    logits[rows[dead]] = revived
 
 
 def token_logprobs(row: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:

@@ -99,6 +99,10 @@ class AsyncEngine:
     ) -> "RequestStream":
         """Queue a request; validation errors are raised here, before any output is promised."""
         stream = _Stream(asyncio.get_running_loop())
+        if params.structured_outputs is not None:
+            # Compile on the grammar service's worker, off the engine thread: the engine's own
+            # compile in add_request is then a cache hit, and other requests keep stepping meanwhile.
+            await asyncio.wrap_future(self.engine.grammar.compile_async(params.structured_outputs))
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, prompt_token_ids, params, delta=True)

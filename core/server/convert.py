@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fw.engine.outputs import Logprob
 from fw.errors import InvalidRequestError
+from fw.grammar.constraint import StructuredOutputsParams
 from fw.sampling.params import SamplingParams
 from fw.server.protocol import SamplingFields
 
@@ -37,7 +38,54 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         prompt_logprobs=prompt_logprobs,
         logit_bias=bias,
         skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=structured_outputs(req),
     )
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's one output constraint, from whichever field carries it: `response_format`
+    (OpenAI), `guided_json|regex|choice|grammar` (vLLM's extra_body) or `structured_outputs`
+    (vLLM's newer name). `guided_decoding_backend` picks the grammar backend for the request."""
+    found: list[tuple[str, dict]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt.type == "json_schema":
+            spec = fmt.json_schema or {}
+            schema = spec.get("schema", spec.get("json_schema"))
+            if schema is None:
+                raise InvalidRequestError(
+                    'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                    param="response_format")
+            found.append(("response_format", {"json": schema}))
+        else:
+            raise InvalidRequestError(
+                f"response_format type {fmt.type!r} is not supported; use text, json_object or json_schema",
+                param="response_format")
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {key: value}))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    if not found:
+        if req.guided_decoding_backend:
+            raise InvalidRequestError("guided_decoding_backend names a grammar backend but the request has no "
+                                      "constraint (response_format, guided_* or structured_outputs)",
+                                      param="guided_decoding_backend")
+        return None
+    if len(found) > 1:
+        raise InvalidRequestError(
+            f"give one output constraint; this request has {', '.join(n for n, _ in found)}", param=found[1][0])
+    source, fields = found[0]
+    if req.guided_decoding_backend:
+        fields.setdefault("backend", req.guided_decoding_backend)
+    try:
+        return StructuredOutputsParams(**fields)
+    except TypeError as exc:
+        raise InvalidRequestError(f"{source}: {exc}", param=source) from None
 
 
 def _text(lp: Logprob, token_id: int, tokenizer) -> str:
