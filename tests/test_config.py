@@ -55,6 +55,18 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "num_threads": (["--num-threads", "2"], 2),
     "moe_backend": (["--moe-backend", "grouped"], "grouped"),
     "model_impl": (["--model-impl", "transformers"], "transformers"),
+    "enable_torch_compile": (["--enable-torch-compile"], True),
+    "compile_mode": (["--compile-mode", "max-autotune-no-cudagraphs"], "max-autotune-no-cudagraphs"),
+    "bucketing": (["--bucketing", "linear"], "linear"),
+    "bucket_tokens_min": (["--bucket-tokens-min", "4"], 4),
+    "bucket_tokens_step": (["--bucket-tokens-step", "64"], 64),
+    "bucket_tokens_max": (["--bucket-tokens-max", "512"], 512),
+    "bucket_batch_min": (["--bucket-batch-min", "2"], 2),
+    "bucket_batch_step": (["--bucket-batch-step", "4"], 4),
+    "bucket_batch_max": (["--bucket-batch-max", "16"], 16),
+    "skip_warmup": (["--skip-warmup"], True),
+    "compile_cache_dir": (["--compile-cache-dir", "/tmp/fw-compile"], "/tmp/fw-compile"),
+    "compile_cache_size_mb": (["--compile-cache-size-mb", "100"], 100),
 }
 
 

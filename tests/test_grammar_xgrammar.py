@@ -228,7 +228,7 @@ def test_ebnf_and_lark_grammar_walks(compiler, walker, grammar, oracle) -> None:
 
 def test_refused_token_changes_nothing(compiler, walker, hf_tokenizer) -> None:
     matcher = compiler.compile(json_schema(SCHEMAS["person"])).matcher()
-    walker.accept_text(matcher, '{"age": 4', hf_tokenizer)
+    walker.accept_text(matcher, '{"name": "Al", "age": 4', hf_tokenizer)
     before = walker.allowed(matcher).clone()
     forbidden = [int(i) for i in (~before).nonzero().flatten()[:50]]
     for token in forbidden + [VOCAB + 5]:

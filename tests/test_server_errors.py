@@ -118,10 +118,11 @@ ROWS = [
     # features this server does not have
     ("suffix", "POST", C, {"prompt": "def f(", "suffix": "return x"}, None, 400),
     ("best_of", "POST", C, {"prompt": "hi", "best_of": 3}, None, 400),
-    ("response_format-json_schema", "POST", CHAT, {"messages": HI, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, None, 400),
-    ("response_format-json_object", "POST", CHAT, {"messages": HI, "response_format": {"type": "json_object"}},
+    ("response_format-bad-schema", "POST", CHAT, {"messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, None, 400),
+    ("response_format-unknown-type", "POST", CHAT, {"messages": HI, "response_format": {"type": "yaml"}},
      None, 400),
+    ("guided_regex-unclosed", "POST", C, {"prompt": "hi", "guided_regex": "(a"}, None, 400),
     ("tools", "POST", CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
      None, 400),
     # the prompt over the context (the message names both numbers: checked below)
@@ -153,6 +154,8 @@ ACCEPTED = [
     ("tools-with-tool_choice-none", CHAT, {"messages": HI, "max_tokens": 2, "tool_choice": "none",
                                            "tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("response_format-text", CHAT, {"messages": HI, "max_tokens": 2, "response_format": {"type": "text"}}),
+    ("response_format-json_object", CHAT, {"messages": HI, "max_tokens": 2,
+                                           "response_format": {"type": "json_object"}}),
     ("text-parts", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                           "max_tokens": 2}),
     ("top_k-minus-one", C, {"prompt": "hi", "max_tokens": 2, "top_k": -1}),

@@ -115,3 +115,19 @@ def test_bad_constraints_are_400s_naming_backend_and_reason(server, model) -> No
                                                       "messages": [{"role": "user", "content": "hi"}]})
         assert ok.status_code == 200
         assert http.get("/health").status_code == 200
+
+
+def test_streamed_choices_of_different_lengths_finish_once(client, model) -> None:
+    """n > 1 with choices of different lengths: a finished choice stays in its request's later
+    outputs, and must not be announced again with the others' tokens."""
+    stream = client.completions.create(model=model, prompt="Say:", temperature=1.0, seed=4, n=6, max_tokens=20,
+                                       stream=True, extra_body={"guided_choice": ["no", "yes it is true, yes"]})
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            assert c.index not in finished, f"choice {c.index} has a chunk after its finish_reason"
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finished[c.index] = c.finish_reason
+    assert sorted(finished) == list(range(6)) and set(texts.values()) <= {"no", "yes it is true, yes"}

@@ -116,3 +116,20 @@ def fw_register_attention_backends(register) -> None:
         description="C++ CPU attention (decode and prefill) reading K/V straight from the paged cache "
                     "(built at first use; needs a C++ compiler and ninja)",
     ))
+
+
+@hookimpl
+def fw_warm_cache_artifacts(context, add) -> None:
+    """`fw warm-cache` builds the kernel ahead when the server with these flags would choose cpu_paged."""
+    from fw.warm import CppOpsArtifact
+
+    add(CppOpsArtifact("cpu_paged", _SOURCE, owner="cpu_paged", applies=_kernel_needed))
+
+
+def _kernel_needed(context) -> bool:
+    from fw.warm import resolve
+
+    chosen = resolve.attention_backend(context)
+    if chosen is None:  # the model's files are not there yet (--check before a download): go by the flags
+        return resolve.device(context).type == "cpu" and context.config.attention_backend in ("auto", "cpu_paged")
+    return chosen == "cpu_paged"

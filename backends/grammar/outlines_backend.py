@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import logging
 import threading
 import time
 from typing import Any, Sequence
@@ -54,6 +55,7 @@ MASK_CACHE_BYTES = 64 * 1024 * 1024
 KEEP_ROWS_SLOWER_THAN_S = 10e-6
 
 _serials = itertools.count()
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -194,6 +196,7 @@ class OutlinesCompiler:
         self._lock = threading.Lock()
         self._vocabulary: Any = None
         self._rows = _Rows(tokenizer, MASK_CACHE_BYTES)
+        self._grammar_store: Any = None  # fw.warm.grammar.GrammarStore, made when first needed
 
     def vocabulary(self) -> Any:
         """outlines-core's Vocabulary: each token's bytes -> its ids; stop and special tokens left out
@@ -216,13 +219,58 @@ class OutlinesCompiler:
         regex = self.regex_for(constraint)
         from outlines_core import Index
         try:
-            index = Index(regex, self.vocabulary())
+            index = self._load(constraint)
+            if index is None:
+                index = Index(regex, self.vocabulary())
         except ValueError as exc:
             reason = " ".join(str(exc).split())
             hint = (" (outlines-core compiles Rust regex syntax without look-around, back-references or anchors "
                     "inside the pattern)" if constraint.kind == "regex" else "")
             raise GrammarError(NAME, f"cannot compile {constraint.describe()}: {reason}{hint}") from None
         return OutlinesGrammar(index, regex, self._rows, self.tokenizer.eos_token_ids)
+
+    # -- kept across processes (`fw warm-cache --warm-schemas`; docs/warm-cache.md) --------------
+
+    def persisted(self, constraint: Constraint) -> bool:
+        return self._store().has(constraint)
+
+    def persist(self, constraint: Constraint) -> str:
+        """Compile `constraint` (GrammarError if it cannot be) and keep its Index: reading one back takes
+        about 1 ms where building it took 0.16 s (a small JSON schema, SmolLM2's 49k vocabulary)."""
+        start = time.perf_counter()
+        index = self.compile(constraint).index
+        data = index.__reduce__()[1][0]  # the Index's own binary form (what pickling it stores)
+        self._store().save(constraint, data)
+        from fw.warm.grammar import size_text
+
+        return f"compiled in {(time.perf_counter() - start) * 1000:.0f} ms, kept ({size_text(len(data))})"
+
+    def _store(self) -> Any:
+        with self._lock:
+            if self._grammar_store is None:
+                from importlib.metadata import version
+
+                from fw.warm.grammar import GrammarStore
+
+                label = f"outlines-core {version('outlines_core')}; whitespace={WHITESPACE_PATTERN!r}"
+                self._grammar_store = GrammarStore(NAME, label, self.tokenizer)
+            return self._grammar_store
+
+    def _load(self, constraint: Constraint) -> Any:
+        """The Index fw warm-cache kept for `constraint`, or None (nothing kept, or unreadable)."""
+        from fw.warm.grammar import store_in_use
+
+        if not store_in_use(NAME):  # nothing was ever warmed: skip hashing the vocabulary
+            return None
+        data = self._store().load(constraint)
+        if not data:
+            return None
+        from outlines_core import Index
+        try:
+            return Index.from_binary(data)
+        except Exception as exc:  # another outlines-core build, a damaged file: compile instead
+            logger.warning("ignoring the kept index for %s (%s); compiling it", constraint.describe(), exc)
+            return None
 
     def regex_for(self, constraint: Constraint) -> str:
         """The regex a constraint compiles to (GrammarError for what this backend cannot express)."""
@@ -289,3 +337,12 @@ def fw_register_grammar_backends(register) -> None:
         description="outlines-core: JSON schema, JSON object, regex and choice through a token-level "
                     "automaton index built per constraint",
     ))
+
+
+@hookimpl
+def fw_warm_cache_artifacts(context, add) -> None:
+    """Precompile the --warm-schemas entries the server would send to outlines."""
+    if context.options.get("warm_schemas"):
+        from fw.warm import GrammarWarmArtifact
+
+        add(GrammarWarmArtifact(NAME, owner=NAME))

@@ -1,5 +1,5 @@
-"""The built-in sampler plugin: logits stages (logit bias, min_tokens, penalties,
-temperature, top-k, top-p, min-p) and the default final choice (greedy or
+"""The built-in sampler plugin: logits stages (allowed token ids, logit bias, min_tokens,
+penalties, temperature, top-k, top-p, min-p) and the default final choice (greedy or
 seeded random). Every stage works on the whole batch at once; rows whose
 parameters leave a stage neutral pass through unchanged."""
 
@@ -13,6 +13,23 @@ from fw.sampling.batch import SamplingBatch
 
 FW_PLUGIN_API_VERSION = "1.0"
 NEG_INF = float("-inf")
+
+
+class AllowedTokenIds:
+    """vLLM's allowed_token_ids: every other token is set to -inf for rows that give the field."""
+
+    def is_active(self, p) -> bool:
+        return p.allowed_token_ids is not None
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        vocab = logits.shape[1]
+        keep = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+        for i, p in enumerate(batch.params):
+            if p.allowed_token_ids is not None:
+                ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+                keep[i] = False
+                keep[i, ids[(ids >= 0) & (ids < vocab)]] = True
+        return logits.masked_fill_(~keep, NEG_INF)
 
 
 class LogitBias:
@@ -121,8 +138,10 @@ class DefaultChoice:
             return greedy
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
-        for i, gen in enumerate(batch.generators):
-            if gen is not None:
+        for i, (gen, p) in enumerate(zip(batch.generators, batch.params)):
+            # A greedy row leaves its generator alone, so what a stage draws from it (XTC) does not
+            # depend on whether the batch has sampled rows.
+            if gen is not None and not p.greedy:
                 noise[i].exponential_(generator=gen)
         unseeded = [i for i, g in enumerate(batch.generators) if g is None]
         if unseeded:
@@ -143,3 +162,6 @@ def fw_register_samplers(register) -> None:
     register(SamplerSpec("min_p", MinP, order=70))
     register(SamplerSpec("default", DefaultChoice, role="choice",
                          description="greedy at temperature 0, else seeded exponential-race sampling"))
+    # Registered last so listings keep their order; it runs first (order 5).
+    register(SamplerSpec("allowed_token_ids", AllowedTokenIds, order=5,
+                         description="only the request's allowed_token_ids can be generated"))

@@ -12,14 +12,14 @@ from fw.version import PLUGIN_API_VERSION, __version__
 
 
 def build_parser(plugins=None) -> argparse.ArgumentParser:
-    from fw.cli import bench, generate, plugins_cmd, serve
+    from fw.cli import bench, doctor, generate, plugins_cmd, serve, warm_cache
 
     parser = argparse.ArgumentParser(prog="fw", description="fw: a plugin-first LLM inference framework")
     parser.add_argument("--version", action="version", version=f"fw {__version__} (plugin API {PLUGIN_API_VERSION})")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands = {}
-    for module in (generate, serve, plugins_cmd, bench):
+    for module in (generate, serve, warm_cache, plugins_cmd, doctor, bench):
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.configure(p)
         commands[module.NAME] = module.run

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from fw.config import EngineConfig, add_config_arguments, resolve_config
+from fw.warm.startup import mark_ready
 
 NAME = "serve"
 HELP = "Serve a model over an OpenAI-compatible HTTP API."
@@ -57,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config)
     names = served_names(server_config, model_arg, engine.loaded.source.path)
     async_engine = AsyncEngine(engine)
-    metrics = ServerMetrics(names[0], engine.loaded.attention.chosen.name, lambda: async_engine.stats)
+    metrics = ServerMetrics(names[0], engine.loaded.attention.chosen.name, lambda: async_engine.stats,
+                            startup=engine.startup_report)
     state = ServerState(async_engine, server_config, names, metrics)
 
     async def on_shutdown() -> None:
@@ -89,6 +91,7 @@ def _announce_when_ready(server, config, name: str) -> None:
     async def startup(sockets=None) -> None:
         await original(sockets=sockets)
         if server.started:
+            mark_ready()  # logs `startup: ready N s after process start`
             host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
             auth = f" -H 'Authorization: Bearer {config.api_key}'" if config.api_key else ""

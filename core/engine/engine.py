@@ -30,6 +30,7 @@ from fw.plugins.manager import PluginManager, get_plugin_manager
 from fw.sampling.batch import SamplingBatch
 from fw.sampling.params import SamplingParams
 from fw.sampling.pipeline import SamplerPipeline, token_logprobs
+from fw.warm import startup
 
 logger = logging.getLogger("fw.engine")
 
@@ -37,6 +38,8 @@ logger = logging.getLogger("fw.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None):
         self.config = config
+        # Phases of bringing this engine up (resolve, load weights, KV cache, ...): fw.warm.startup.
+        self.startup_report = startup.begin()
         if not str(config.device).startswith("cuda"):
             tune_malloc()  # before loading: activations then reuse heap blocks instead of page-faulting
         if config.num_threads:
@@ -57,11 +60,12 @@ class LLMEngine:
         self.max_length = loaded.max_length
         self.vocab_size = loaded.hf_config.vocab_size
         page = config.kv_cache_page_size
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(page)
-        self.blocks = BlockManager(num_blocks, page, config.enable_prefix_caching)
+        with startup.phase(startup.ALLOCATE_KV_CACHE):
+            num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(page)
+            self.blocks = BlockManager(num_blocks, page, config.enable_prefix_caching)
+            self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, page,
+                                      loaded.dtype, loaded.device)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_batch_input_tokens, config.chunk_size)
-        self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, page,
-                                  loaded.dtype, loaded.device)
         self.sampler = SamplerPipeline(self.plugins.registry("sampler"), config.sampling_backend)
         self.grammar = GrammarService(self.plugins.registry("grammar_backend"),
                                       GrammarTokenizer(self.tokenizer, self.vocab_size, loaded.eos_token_ids),
@@ -69,6 +73,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_blocks, page, num_blocks * page)
+        if config.enable_torch_compile:  # fw.compile: the runner's step compiled per bucket, warmed up here
+            from fw.compile import attach
+
+            attach(self)
 
     def _num_blocks_from_budget(self, page: int) -> int:
         loaded = self.loaded
@@ -186,11 +194,13 @@ class LLMEngine:
     def _validate_token_params(self, params: SamplingParams) -> None:
         """Token ids in sampling params must be in the vocabulary: the sampler stages index logits
         with them (an unknown stop token would crash a step in the min_tokens stage)."""
-        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
             if bad:
                 raise InvalidRequestError(
                     f"{name}: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param=name)
+        self.sampler.validate(params, self.tokenizer)  # per-request samplers: known names, valid parameters
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its final output (finish_reason "abort")."""
@@ -332,4 +342,6 @@ class LLMEngine:
             "prefix_cache_queried_tokens": self.blocks.stats.queried_tokens,
             "prefix_cache_hit_tokens": self.blocks.stats.hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
+            # graphs torch.compile built (or loaded) for this engine: constant after warm-up (fw.compile)
+            "num_compilations": self.runner.compiled.num_compiles if self.runner.compiled is not None else 0,
         }

@@ -34,6 +34,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self._logits_buf: torch.Tensor | None = None
+        self.compiled = None  # a fw.compile.CompiledStep with --enable-torch-compile (set by fw.compile.attach)
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
         for layer in self.layers:
             shape = attention_backend.kv_cache_shape(num_blocks, page_size, layer.num_kv_heads, layer.head_dim)
@@ -83,7 +84,7 @@ class ModelRunner:
         meta.backend_state = self.backend.prepare(meta)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids, pos, meta)
+        hidden = self.model(ids, pos, meta) if self.compiled is None else self.compiled.forward(ids, pos, meta)
 
         sample_seqs, sample_rows, prompt_logits = [], [], []
         for seq, n, start in zip(seqs, num_new, starts):
@@ -98,7 +99,9 @@ class ModelRunner:
                 sample_seqs.append(seq)
                 sample_rows.append(start + n - 1)
         logits = None
-        if sample_rows:
+        if sample_rows and self.compiled is not None:
+            logits = self.compiled.logits(hidden, sample_rows)
+        elif sample_rows:
             logits = self._as_fp32(self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)]))
         return StepLogits(sample_seqs, logits, prompt_logits)
 

@@ -112,11 +112,15 @@ class GGUFModel:
         except Exception as exc:
             raise ModelLoadError(f"{self.path}: could not build a config for GGUF architecture {arch!r}: {exc}") from None
 
+    def tokenizer_cache_dir(self) -> Path:
+        """Where `tokenizer()` keeps the converted tokenizer (`fw warm-cache` checks and fills it)."""
+        return _tokenizer_cache_dir(self.path)
+
     def tokenizer(self):
         """transformers' GGUF tokenizer conversion takes seconds; do it once per file and cache it."""
         from transformers import AutoTokenizer
 
-        cached = _tokenizer_cache_dir(self.path)
+        cached = self.tokenizer_cache_dir()
         if not (cached / "tokenizer.json").is_file():
             try:
                 tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)

@@ -24,6 +24,7 @@ from fw.model_loader.source import ModelSource, resolve_model
 from fw.plugins.manager import PluginManager
 from fw.plugins.selection import MoeKernelChooser, Selection, select_attention_backend
 from fw.plugins.specs import ArchitectureSpec, AttentionRequirements
+from fw.warm import startup
 
 logger = logging.getLogger("fw.loader")
 
@@ -139,18 +140,40 @@ def eos_ids(hf_config, tokenizer, source: ModelSource) -> frozenset[int]:
     return frozenset(ids)
 
 
+def model_config(cfg: EngineConfig, plugins: PluginManager, source: ModelSource,
+                 gguf: GGUFModel | None = None) -> tuple[Any, ArchitectureSpec]:
+    """The model's transformers config and the architecture spec that runs it."""
+    if source.kind == "gguf":
+        gguf = gguf or GGUFModel(source.path)
+        arch = find_architecture(plugins, [], gguf.architecture, cfg.model_impl)
+        return gguf.hf_config(arch.hf_architectures[0]), arch
+    hf_config = load_hf_config(source.path, cfg.trust_remote_code, cfg.revision)
+    arch = find_architecture(plugins, list(getattr(hf_config, "architectures", None) or []), None,
+                             cfg.model_impl, hf_config)
+    return hf_config, arch
+
+
+def attention_requirements(cfg: EngineConfig, hf_config, dtype: torch.dtype,
+                           device: torch.device) -> AttentionRequirements:
+    """What the attention backend must support for this model and these flags."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return AttentionRequirements(
+        device=device.type, dtype=str(dtype).removeprefix("torch."), head_size=head_dim,
+        page_size=cfg.kv_cache_page_size,
+        sliding_window=sliding_window_needed(hf_config), logit_softcap=logit_softcap_needed(hf_config),
+        kv_cache_dtype=kv_cache_requirement(cfg.kv_cache_dtype, dtype),
+    )
+
+
 def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
+    lap = startup.laps()
     source = resolve_model(cfg.model, cfg.revision)
     device = resolve_device(cfg.device)
     gguf = GGUFModel(source.path) if source.kind == "gguf" else None
+    hf_config, arch = model_config(cfg, plugins, source, gguf)
     if gguf is not None:
-        arch = find_architecture(plugins, [], gguf.architecture, cfg.model_impl)
-        hf_config = gguf.hf_config(arch.hf_architectures[0])
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code) if cfg.tokenizer else gguf.tokenizer()
     else:
-        hf_config = load_hf_config(source.path, cfg.trust_remote_code, cfg.revision)
-        arch = find_architecture(plugins, list(getattr(hf_config, "architectures", None) or []), None,
-                                 cfg.model_impl, hf_config)
         tokenizer = load_tokenizer(cfg.tokenizer or source.path, cfg.trust_remote_code)
     dtype = resolve_dtype(cfg.dtype, hf_config, source, device)
 
@@ -159,18 +182,14 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     if max_length > model_max:
         raise ConfigError(f"--max-length {max_length} exceeds the model's context length {model_max}")
 
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    req = AttentionRequirements(
-        device=device.type, dtype=str(dtype).removeprefix("torch."), head_size=head_dim,
-        page_size=cfg.kv_cache_page_size,
-        sliding_window=sliding_window_needed(hf_config), logit_softcap=logit_softcap_needed(hf_config),
-        kv_cache_dtype=kv_cache_requirement(cfg.kv_cache_dtype, dtype),
-    )
+    req = attention_requirements(cfg, hf_config, dtype, device)
     name = None if cfg.attention_backend == "auto" else cfg.attention_backend
     attention = select_attention_backend(plugins.registry("attention_backend"), req, name)
 
     quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins, device, gguf is not None)
+    lap(startup.RESOLVE)
     cpu_ops.prepare(device)  # fused CPU layer ops, built (or loaded from the cache) before the model
+    lap(startup.CPP_OPS)
     ctx = ModelContext(dtype=dtype, device=device, attention_backend=attention.chosen.backend_cls,
                        linear_method=linear_method,
                        extra={"moe_kernel": MoeKernelChooser(plugins.registry("moe_kernel"), cfg.moe_backend)})
@@ -195,6 +214,7 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
     bind_kv_cache(model, kv_dtype, kv_scales)
     model.to(device).eval()
+    lap(startup.LOAD_WEIGHTS)
     logger.info("loaded %s (%s, %s) with attention backend %s", source.name, arch.name, dtype, attention.chosen.name)
     return LoadedModel(model, hf_config, tokenizer, source, arch, attention, quant_name, dtype, device, max_length,
                        eos_ids(hf_config, tokenizer, source), kv_cache_dtype=kv_dtype)

@@ -68,3 +68,13 @@ def fw_add_cli_arguments(command: str, parser) -> None:
 def fw_add_server_routes(app, state) -> None:
     """Add routes to `fw serve`'s FastAPI `app`; `state` (fw.server.state.ServerState) gives
     the engine, served names and metrics. A plugin that raises here is logged and skipped."""
+
+
+@hookspec
+def fw_warm_cache_artifacts(context, add) -> None:
+    """Contribute what `fw warm-cache` should prepare before serving: call ``add(artifact)`` once per
+    `fw.warm.WarmArtifact` (a kernel build, autotuning results, precompiled grammars, repacked
+    weights). `context` (fw.warm.WarmContext) holds the engine configuration the server would run
+    with, the resolved model once its files are present, and warm-cache's own options
+    (``context.options["warm_schemas"]``, ``["target_device"]``). Add nothing when the flags do not
+    need it. Each artifact is shown in the warm-cache report; see docs/warm-cache.md."""

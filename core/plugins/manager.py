@@ -24,7 +24,7 @@ from typing import Any, Iterable
 import pluggy
 
 from fw.errors import ConfigError, DuplicatePluginNameError, PluginLoadError
-from fw.plugins import hookspecs
+from fw.plugins import hookspecs, tracing
 from fw.plugins.registry import Registry
 from fw.plugins.specs import KINDS
 from fw.version import PLUGIN_API_VERSION
@@ -115,8 +115,13 @@ class PluginManager:
         allow: Iterable[str] | None = None,
         block: Iterable[str] | None = None,
         entry_points: Iterable[md.EntryPoint] | None = None,
+        trace: bool | None = None,
     ):
         self.strict = _env_flag("FW_STRICT_PLUGINS") if strict is None else strict
+        # FW_TRACE_PLUGINS: specs are wrapped at registration, so tracing off costs nothing (fw.plugins.tracing)
+        self.trace = tracing.enabled() if trace is None else trace
+        if self.trace:
+            tracing.enable_logging()
         self.allow = set(allow) if allow is not None else _env_list("FW_PLUGINS")
         self.block = set(block) if block is not None else (_env_list("FW_DISABLE_PLUGINS") or set())
         self._entry_points = entry_points
@@ -164,7 +169,7 @@ class PluginManager:
         info = PluginInfo(ep.name, dist, version, ep.value)
         self.plugins[ep.name] = info
         try:
-            obj = ep.load()
+            obj = tracing.traced_load(ep, ep.name) if self.trace else ep.load()
         except Exception as exc:  # a broken plugin must not take the others down
             info.error = f"{type(exc).__name__}: {exc}"
             logger.warning("plugin %s from %s failed to import: %s", ep.name, dist, info.error)
@@ -197,8 +202,11 @@ class PluginManager:
                 if impl is None or info.error:
                     continue
                 register = partial(self._register_spec, kind, info)
+                call = impl.function
+                if self.trace:
+                    call = tracing.traced_hook(name, hook_name, call, partial(info.provides.get, kind, []))
                 try:
-                    impl.function(register=register)
+                    call(register=register)
                 except DuplicatePluginNameError:
                     raise
                 except Exception as exc:
@@ -214,6 +222,8 @@ class PluginManager:
         spec_kind = getattr(spec, "kind", None)
         if spec_kind != kind:
             raise TypeError(f"{info.name} passed a {type(spec).__name__} (kind {spec_kind}) to the {kind} registry")
+        if self.trace:
+            spec = tracing.traced_spec(spec, info.name)
         registration = self.registries[kind].add(spec, info.name, info.distribution, override=override)
         info.provides.setdefault(kind, []).append(spec.name)
         if registration.overrides:

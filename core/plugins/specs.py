@@ -199,17 +199,48 @@ class SamplerSpec:
     """A sampler. kind="stage": `factory()` returns an object with
     ``is_active(params) -> bool`` and ``apply(logits, batch) -> logits``, run in
     ascending `order` for rows whose params activate it. kind="choice": the
-    object has ``choose(logits, batch) -> token ids``; `--sampling-backend` picks one."""
+    object has ``choose(logits, batch) -> token ids``; `--sampling-backend` picks one.
+
+    A `per_request` stage runs only for the rows whose request names it in
+    `SamplingParams.samplers`, with that row's parameters: its object has
+    ``apply(logits, batch, args) -> logits`` over just those rows (`args[i]` for row i) and
+    optionally ``prepare(params: dict, tokenizer) -> Any``, called once per request, whose result
+    is what `apply` then gets (else the parameters themselves). `parameters` is the JSON schema
+    (an object schema, checked with `jsonschema`) a request's parameters must satisfy; its
+    top-level `default`s are filled in. A per-request stage without one takes no parameters."""
 
     name: str
     factory: Callable[[], Any]
     role: Literal["stage", "choice"] = "stage"
     order: int = 100
     description: str = ""
+    per_request: bool = False
+    parameters: dict[str, Any] | None = None
     kind = "sampler"
 
+    def __post_init__(self) -> None:
+        if self.per_request and self.role != "stage":
+            raise ValueError(f"sampler {self.name!r}: only stages can be per_request, not a {self.role!r}")
+        if self.parameters is None:
+            return
+        if not self.per_request:
+            raise ValueError(f"sampler {self.name!r}: a parameters schema needs per_request=True (always-on "
+                             "stages read their settings from SamplingParams fields)")
+        if not isinstance(self.parameters, dict) or self.parameters.get("type") != "object":
+            raise ValueError(f'sampler {self.name!r}: parameters must be a JSON schema with "type": "object"')
+        import jsonschema  # only plugins that declare a schema pay for the import
+
+        try:
+            jsonschema.validators.validator_for(self.parameters, default=jsonschema.Draft202012Validator
+                                                ).check_schema(self.parameters)
+        except jsonschema.SchemaError as exc:
+            raise ValueError(f"sampler {self.name!r}: parameters is not a valid JSON schema: {exc.message}") from None
+
     def summary(self) -> dict:
-        return {"role": self.role, "order": self.order}
+        out: dict[str, Any] = {"role": self.role, "order": self.order}
+        if self.per_request:
+            out.update(per_request=True, parameters=self.parameters)
+        return out
 
 
 @dataclass(frozen=True)

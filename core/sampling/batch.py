@@ -29,9 +29,18 @@ class SamplingBatch:
     def greedy_mask(self) -> torch.Tensor:
         return torch.tensor([p.greedy for p in self.params], device=self.device)
 
+    def subset(self, rows: list[int]) -> "SamplingBatch":
+        """The batch of just these rows (in this order): what a per-request stage sees."""
+        return SamplingBatch([self.seqs[i] for i in rows], self.vocab_size, self.device, self.eos_token_ids)
+
     @property
     def num_output_tokens(self) -> list[int]:
         return [s.num_output_tokens for s in self.seqs]
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        """Each row's tokens so far, prompt then output (the lists themselves: do not modify them)."""
+        return [s.token_ids for s in self.seqs]
 
     def _padded(self, lists: list[list[int]]) -> torch.Tensor:
         """[S, L] token ids padded with `vocab_size` (an extra, discarded column when scattering)."""

@@ -20,6 +20,10 @@ class SamplingParams:
     does the same for prompt tokens. `extra_args` carries options for
     third-party sampler plugins. `structured_outputs` constrains the output to a JSON
     schema, regex, choice or grammar (a dict of the same fields is accepted).
+    `samplers` names per-request sampler stages and their parameters,
+    ``[{"name": "dry", "multiplier": 0.8}, "xtc"]`` (a bare name takes the defaults); the
+    engine checks each against the sampler's declared schema. `allowed_token_ids`
+    (vLLM's field) restricts every generated token to those ids.
     """
 
     n: int = 1
@@ -42,6 +46,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    samplers: list[SamplerRequest | dict[str, Any] | str] | None = None  # SamplerRequests after __post_init__
+    allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,6 +62,9 @@ class SamplingParams:
                 raise InvalidRequestError(f"structured_outputs: {exc}", param="structured_outputs") from None
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0  # -1 and None mean "off", as in vLLM
+        self.samplers = _sampler_requests(self.samplers)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_id_list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -103,3 +112,67 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def sampler(self, name: str) -> SamplerRequest | None:
+        """The request's entry for the per-request sampler `name`, or None when it does not name it."""
+        for request in self.samplers:
+            if request.name == name:
+                return request
+        return None
+
+
+@dataclass
+class SamplerRequest:
+    """One per-request sampler stage a request names, with its parameters as given (`args`).
+
+    `prepared` holds what each engine's stage made of them at admission (the schema's defaults
+    filled in, then the stage's optional `prepare`), keyed by the stage object's id, so the work
+    is done once per request rather than once per step."""
+
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+    prepared: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+def _sampler_requests(raw: Any) -> list[SamplerRequest]:
+    """`samplers` as SamplerRequests: from dicts ({"name": ..., parameters...}), bare names or
+    SamplerRequests. Whether a name and its parameters are known is the engine's check."""
+    if raw is None:
+        return []
+    if isinstance(raw, (str, dict)) or not isinstance(raw, (list, tuple)):
+        raise InvalidRequestError(
+            'samplers must be a list such as [{"name": "dry", "multiplier": 0.8}], got '
+            f"{type(raw).__name__}", param="samplers")
+    out: list[SamplerRequest] = []
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            item = SamplerRequest(item)
+        elif isinstance(item, dict):
+            args = dict(item)
+            name = args.pop("name", None)
+            if not isinstance(name, str):
+                raise InvalidRequestError(f'samplers[{i}] needs a "name" (a string naming the sampler), '
+                                          f"got {name!r}", param="samplers")
+            item = SamplerRequest(name, args)
+        elif not isinstance(item, SamplerRequest):
+            raise InvalidRequestError(f'samplers[{i}] must be an object with a "name" or a sampler name, '
+                                      f"got {type(item).__name__}", param="samplers")
+        if not item.name:
+            raise InvalidRequestError(f"samplers[{i}]: the sampler name is empty", param="samplers")
+        if any(o.name == item.name for o in out):
+            raise InvalidRequestError(f"samplers: {item.name!r} is named twice; give each sampler once, "
+                                      "with all its parameters", param="samplers")
+        out.append(item)
+    return out
+
+
+def _token_id_list(raw: Any) -> list[int]:
+    """allowed_token_ids as a non-empty list of ints (whether they are in the vocabulary is the engine's check)."""
+    if isinstance(raw, (str, bytes, dict)) or not isinstance(raw, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        raise InvalidRequestError(f"allowed_token_ids must be a list of token ids (integers), got {raw!r}",
+                                  param="allowed_token_ids")
+    if not raw:
+        raise InvalidRequestError("allowed_token_ids is empty, which would allow no token; leave it out to "
+                                  "allow every token", param="allowed_token_ids")
+    return list(raw)

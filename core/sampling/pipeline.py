@@ -1,19 +1,27 @@
 """Runs sampler plugins over a batch: the grammar mask (structured output), the
 logits stages in order, then the chosen final-choice sampler, then
 log-probabilities of the model's distribution (after the grammar mask, as in
-vLLM: a token the grammar forbids has logprob -inf)."""
+vLLM: a token the grammar forbids has logprob -inf).
+
+Per-request stages (`SamplerSpec.per_request`) run, in their place in the order, on just
+the rows whose request names them, each with its own parameters; the other rows are not
+touched. `validate` checks a request's named samplers against their schemas at admission."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
+import jsonschema
 import torch
 
 from fw.engine.outputs import Logprob
-from fw.errors import ConfigError
+from fw.errors import ConfigError, InvalidRequestError
 from fw.grammar.bitmask import apply_token_bitmask
 from fw.plugins.registry import Registry
 from fw.sampling.batch import SamplingBatch
+from fw.sampling.params import SamplerRequest, SamplingParams
 
 
 @dataclass
@@ -28,6 +36,11 @@ class SamplerPipeline:
         stage_specs = sorted((s for s in specs if s.role == "stage"), key=lambda s: s.order)
         self.stages = [s.factory() for s in stage_specs]
         self.stage_names = [s.name for s in stage_specs]
+        self.stage_specs = stage_specs
+        self.per_request = {spec.name: (spec, stage) for spec, stage in zip(stage_specs, self.stages)
+                            if spec.per_request}
+        self._validators: dict[str, Any] = {}
+        self._tokenizer = None  # the engine's, from `validate`: for stages prepared lazily
         choices = {s.name: s for s in specs if s.role == "choice"}
         if choice not in choices:
             raise ConfigError(
@@ -51,8 +64,10 @@ class SamplerPipeline:
             masked = logits[masked_rows]  # a copy: stages may edit `logits` in place
         want_logprobs = [p.logprobs is not None for p in batch.params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        for stage in self.stages:
-            if any(stage.is_active(p) for p in batch.params):
+        for spec, stage in zip(self.stage_specs, self.stages):
+            if spec.per_request:
+                logits = self._apply_per_request(spec, stage, logits, batch)
+            elif any(stage.is_active(p) for p in batch.params):
                 logits = stage.apply(logits, batch)
         if masked_rows is not None:
             _revive_dead_rows(logits, masked_rows, masked, batch.eos_token_ids)
@@ -64,6 +79,81 @@ class SamplerPipeline:
                 if p.logprobs is not None:
                     logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
         return SampleResult(token_list, logprobs)
+
+    # -- per-request stages ----------------------------------------------------------------
+
+    def validate(self, params: SamplingParams, tokenizer=None) -> None:
+        """Refuse (InvalidRequestError, a 400) a request naming an unknown sampler or giving it
+        parameters its schema rejects; otherwise prepare each named stage's parameters once. The
+        engine calls it when a request is added, with its tokenizer (kept for later preparations)."""
+        if tokenizer is not None:
+            self._tokenizer = tokenizer
+        for i, request in enumerate(params.samplers):
+            entry = self.per_request.get(request.name)
+            if entry is None:
+                raise InvalidRequestError(self._unknown(request.name, i), param="samplers")
+            self._prepare(*entry, request, tokenizer if tokenizer is not None else self._tokenizer)
+
+    def _unknown(self, name: str, index: int) -> str:
+        available = ", ".join(sorted(self.per_request)) or "none (install a sampler plugin such as fw-sampler-dry)"
+        if name in self.stage_names:
+            return (f"samplers[{index}]: {name!r} is a built-in stage set by its own request fields, not a "
+                    f"per-request sampler; per-request samplers here: {available}")
+        return f"samplers[{index}]: no per-request sampler named {name!r}; available: {available}"
+
+    def _prepare(self, spec, stage, request: SamplerRequest, tokenizer) -> Any:
+        args = self._checked_args(spec, request)
+        prepare = getattr(stage, "prepare", None)
+        if prepare is not None:
+            try:
+                args = prepare(args, tokenizer)
+            except (ValueError, TypeError) as exc:
+                raise InvalidRequestError(f"samplers: {spec.name}: {exc}", param="samplers") from None
+        request.prepared[id(stage)] = args
+        return args
+
+    def _checked_args(self, spec, request: SamplerRequest) -> dict[str, Any]:
+        """The request's parameters checked against the spec's schema, with its top-level defaults."""
+        if spec.parameters is None:
+            if request.args:
+                raise InvalidRequestError(f"samplers: {spec.name} takes no parameters, got "
+                                          f"{', '.join(sorted(request.args))}", param="samplers")
+            return {}
+        validator = self._validators.get(spec.name)
+        if validator is None:
+            cls = jsonschema.validators.validator_for(spec.parameters, default=jsonschema.Draft202012Validator)
+            validator = self._validators[spec.name] = cls(spec.parameters)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(request.args))
+        if error is not None:
+            at = ".".join(str(p) for p in error.absolute_path)
+            raise InvalidRequestError(f"samplers: {spec.name}: {at + ': ' if at else ''}{error.message}",
+                                      param="samplers")
+        args = copy.deepcopy(request.args)
+        for key, prop in spec.parameters.get("properties", {}).items():
+            if isinstance(prop, dict) and "default" in prop and key not in args:
+                args[key] = copy.deepcopy(prop["default"])
+        return args
+
+    def _apply_per_request(self, spec, stage, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        rows, args = [], []
+        for i, p in enumerate(batch.params):
+            request = p.sampler(spec.name) if p.samplers else None
+            if request is not None:
+                rows.append(i)
+                prepared = request.prepared.get(id(stage), _MISSING)
+                if prepared is _MISSING:  # params that did not come through the engine's add_request
+                    prepared = self._prepare(spec, stage, request, self._tokenizer)
+                args.append(prepared)
+        if not rows:
+            return logits
+        if len(rows) == len(batch):
+            return stage.apply(logits, batch, args)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits[index] = stage.apply(logits[index], batch.subset(rows), args)
+        return logits
+
+
+_MISSING = object()
 
 
 def _revive_dead_rows(logits: torch.Tensor, rows: torch.Tensor, masked: torch.Tensor,

@@ -39,6 +39,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         logit_bias=bias,
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured_outputs(req),
+        samplers=req.samplers,
+        allowed_token_ids=req.allowed_token_ids,
     )
 
 

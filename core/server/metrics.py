@@ -36,10 +36,39 @@ class _EngineCollector:
         c = CounterMetricFamily("fw_num_preemptions", "Sequences preempted (recomputed later).", labels=names)
         c.add_metric(values, s["num_preemptions"])
         yield c
+        if "num_compilations" in s:  # --enable-torch-compile (fw.compile): unchanged after warm-up
+            c = CounterMetricFamily("fw_compilations", "Graphs torch.compile built or loaded for the model step.",
+                                    labels=names)
+            c.add_metric(values, s["num_compilations"])
+            yield c
+
+
+class _StartupCollector:
+    """The engine's startup report (fw.warm.startup), read at scrape time so phases recorded after the
+    server was built show up too: fw_startup_phase_seconds{phase="load weights"} per phase, and
+    fw_startup_ready_seconds, process start to accepting requests."""
+
+    def __init__(self, report, labels: dict[str, str]):
+        self._report = report
+        self._labels = labels
+
+    def collect(self):
+        names, values = list(self._labels), list(self._labels.values())
+        g = GaugeMetricFamily("fw_startup_phase_seconds", "Seconds each start-up phase took (resolve, load "
+                              "weights, allocate KV cache, compile/capture, ...).", labels=[*names, "phase"])
+        for phase, seconds in self._report.as_dict().items():
+            g.add_metric([*values, phase], seconds)
+        yield g
+        if self._report.ready_seconds is not None:
+            ready = GaugeMetricFamily("fw_startup_ready_seconds", "Seconds from process start to serving.",
+                                      labels=names)
+            ready.add_metric(values, self._report.ready_seconds)
+            yield ready
 
 
 class ServerMetrics:
-    def __init__(self, model: str, attention_backend: str, engine_stats: Callable[[], dict]):
+    def __init__(self, model: str, attention_backend: str, engine_stats: Callable[[], dict],
+                 startup=None):
         self.registry = CollectorRegistry()
         labels = {"model_name": model, "attention_backend": attention_backend}
         self.labels = labels
@@ -58,6 +87,8 @@ class ServerMetrics:
         self.e2e = Histogram("fw_e2e_request_latency_seconds", "Request latency, arrival to last token.", names,
                              buckets=LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(engine_stats, labels))
+        if startup is not None:  # a fw.warm.startup.StartupReport
+            r.register(_StartupCollector(startup, labels))
 
     def request_finished(self, finish_reasons: list[str | None], prompt_tokens: int, generated: int,
                          e2e: float) -> None:

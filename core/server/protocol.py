@@ -92,6 +92,9 @@ class SamplingFields(_Request):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # per-request sampler stages by name, [{"name": "dry", "multiplier": 0.8}, "xtc"], and vLLM's allowed_token_ids
+    samplers: list[dict[str, Any] | str] | None = None
+    allowed_token_ids: list[int] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -68,6 +68,7 @@ class _Completion:
         self.finish = {k: None for k in self.texts}
         self.completion_tokens = 0
         self.echoed: set[int] = set()
+        self.finish_sent: set[int] = set()
 
     def _echo(self, p: int, index: int, out) -> str:
         """The prompt's text (and its logprobs) before a choice's first output, with echo."""
@@ -118,8 +119,12 @@ class _Completion:
     async def events(self, streams):
         async for p, out in merged(self.state, streams, [len(ids) for _, ids in self.prompts]):
             for index, text in self._absorb(p, out):
-                if not text and self.finish[index] is None:
+                # With n > 1 a finished choice stays in its request's later outputs: announce its
+                # finish once, not again with every other choice's tokens.
+                if index in self.finish_sent or (not text and self.finish[index] is None):
                     continue
+                if self.finish[index] is not None:
+                    self.finish_sent.add(index)
                 choice = {"index": index, "text": text,
                           "logprobs": self.logprobs[index].take() if self.req.logprobs is not None else None,
                           "finish_reason": self.finish[index]}

@@ -30,6 +30,9 @@ class WarmContext:
     source: Any = None  # fw.model_loader.source.ModelSource, after the model artifact ran or hit
     hf_config: Any = None  # the model's transformers config, when known
     options: dict[str, Any] = field(default_factory=dict)  # e.g. {"warm_schemas": Path, "target_device": str}
+    # What several artifacts derive from the above (device, dtype, attention backend, grammar tokenizer),
+    # worked out once: fw.warm.resolve fills it.
+    memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 @runtime_checkable

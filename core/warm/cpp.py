@@ -1,0 +1,65 @@
+"""Warm-cache artifact for a C++ operator library built with `fw.cpp_ops`: the
+core's fused CPU ops, and any plugin's kernel (the cpu_paged attention
+backend adds its own through the `fw_warm_cache_artifacts` hook).
+
+A build is for the machine that runs it (-march=native, keyed by the CPU's
+flags), so it is warmed only for a CPU target on this machine; concurrent
+builders are serialized by fw.cpp_ops' file lock."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+from fw import cpp_ops
+from fw.warm.artifact import WarmContext, WarmItem
+
+logger = logging.getLogger("fw.warm")
+
+
+class CppOpsArtifact:
+    """`applies(context)` says whether the server with these flags would load the library."""
+
+    def __init__(self, library: str, source: Path, cflags: tuple[str, ...] = cpp_ops.DEFAULT_CFLAGS,
+                 owner: str = "core", applies: Callable[[WarmContext], bool] | None = None):
+        self.library, self.source, self.cflags = library, source, cflags
+        self.name = f"C++ ops {library}"
+        self.owner = owner
+        self._applies = applies
+
+    def applies(self, context: WarmContext) -> bool:
+        why = cpp_ops.missing_toolchain()
+        if why:
+            logger.info("%s: not built (%s); the server will not use it either", self.name, why)
+            return False
+        return self._applies is None or self._applies(context)
+
+    def check(self, context: WarmContext) -> list[WarmItem]:
+        if not self.applies(context):
+            return []
+        path = cpp_ops.library_path(self.library, self.source, self.cflags)
+        return [WarmItem(self.library, path.is_file(), str(path))]
+
+    def build(self, context: WarmContext) -> list[WarmItem]:
+        if not self.applies(context):
+            return []
+        hit = cpp_ops.is_built(self.library, self.source, self.cflags)
+        cpp_ops.load_cpp_ops(self.library, self.source, self.cflags)  # builds under the lock when missing
+        path = cpp_ops.library_path(self.library, self.source, self.cflags)
+        return [WarmItem(self.library, hit, str(path))]
+
+
+def cpu_target(context: WarmContext) -> bool:
+    """The server would run on this machine's CPU."""
+    from fw.warm import resolve
+
+    return resolve.device(context).type == "cpu"
+
+
+def core_cpu_ops() -> CppOpsArtifact:
+    """The fused CPU layer ops of fw.layers.cpu_ops (RMSNorm, rotary, SiLU * up, argmax)."""
+    from fw.layers import cpu_ops
+
+    return CppOpsArtifact("cpu_ops", cpu_ops._SOURCE, cpu_ops._CFLAGS, owner="core",
+                          applies=lambda context: cpu_target(context) and cpu_ops.wanted())

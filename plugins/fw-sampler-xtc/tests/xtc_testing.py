@@ -1,0 +1,69 @@
+"""Helpers for the XTC plugin's tests: the plugin importable from the checkout when it is not
+installed, fw's sampler pipeline with the built-in samplers plus XTC (as the engine builds it),
+and sequences with the per-row seeded generators the engine gives seeded requests."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+PLUGIN_ROOT = Path(__file__).resolve().parent.parent
+
+try:  # the installed package, else the checkout (the tests run without installing the plugin)
+    import fw_sampler_xtc  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(PLUGIN_ROOT))
+
+from fw.sampling.batch import SamplingBatch  # noqa: E402
+from fw.sampling.params import SamplingParams  # noqa: E402
+
+
+def sampler_pipeline():
+    """fw's SamplerPipeline over the built-in samplers and this plugin, loaded as entry points."""
+    from fw.plugins.manager import PluginManager
+    from fw.sampling.pipeline import SamplerPipeline
+
+    eps = [ep for ep in md.distribution("fw").entry_points if ep.group == "fw" and ep.name == "samplers"]
+    eps.append(md.EntryPoint(name="xtc", value="fw_sampler_xtc.plugin", group="fw"))
+    manager = PluginManager(entry_points=eps, allow={"samplers", "xtc"}, block=(), strict=True).load()
+    return SamplerPipeline(manager.registry("sampler"), "default")
+
+
+class FakeSeq:
+    """What SamplingBatch reads from an engine sequence; `generator` as the engine makes it for a
+    seeded request (seed + output index)."""
+
+    def __init__(self, params: SamplingParams, token_ids: list[int] = (1,), num_prompt_tokens: int = 1):
+        self.params = params
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def step(pipeline, seqs: list[FakeSeq], logits: torch.Tensor) -> list[int]:
+    """One sampling step over these sequences (their params admitted as the engine does)."""
+    for s in seqs:
+        pipeline.validate(s.params)
+    batch = SamplingBatch(seqs, logits.shape[1], torch.device("cpu"), frozenset())
+    return pipeline.sample(logits.clone(), batch).token_ids
+
+
+def logits_for(probs: list[float]) -> torch.Tensor:
+    """One row whose softmax is exactly these probabilities (they sum to 1)."""
+    return torch.tensor([math.log(p) for p in probs], dtype=torch.float32)
+
+
+def xtc(threshold: float, probability: float) -> list[dict]:
+    return [{"name": "xtc", "threshold": threshold, "probability": probability}]
