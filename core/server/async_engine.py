@@ -109,7 +109,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
 
         await self._call(add)
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream, params.n)
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort without awaiting: safe from `finally` blocks of cancelled tasks (disconnects)."""
@@ -203,10 +203,11 @@ class AsyncEngine:
 class RequestStream:
     """One request's delta outputs. Closing it before the end aborts the request and frees its pages."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream, num_choices: int = 1):
         self.engine = engine
         self.request_id = request_id
         self._stream = stream
+        self.num_choices = num_choices  # the request's n: choices that never produced output still count
         self.finished = False
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:

@@ -102,7 +102,9 @@ class ServerState:
         arrival = time.monotonic()
         last = None
         generated = 0
-        reasons: dict[int, str | None] = {}
+        # Every choice from the start: a client that leaves before the first token still counts
+        # its choices as "abort" (it used to count nothing, so the abort went unrecorded).
+        reasons: dict[int, str | None] = dict.fromkeys(range(stream.num_choices))
         labels = self.metrics.labels
         try:
             async for out in stream:
