@@ -101,9 +101,10 @@ class EngineConfig:
     enable_torch_compile: bool = field(default=False, metadata=_opt(
         "Run the model's forward step through torch.compile, one static-shape graph per shape bucket, "
         "compiled (or loaded from --compile-cache-dir) before the engine is ready."))
-    compile_mode: str = field(default="default", metadata=_opt(
-        "torch.compile mode of --enable-torch-compile (default: fastest to compile, and as fast as the "
-        "others on CPU, where fw's matmuls and attention are opaque kernels).", choices=COMPILE_MODES))
+    compile_mode: str | None = field(default=None, metadata=_opt(
+        "torch.compile mode; giving it implies --enable-torch-compile. Default: default (fastest to compile; on "
+        "CPU the others only add compile time, fw's matmuls and attention being opaque kernels there).",
+        choices=COMPILE_MODES))
     bucketing: str = field(default="exponential", metadata=_opt(
         "Shape buckets of --enable-torch-compile: exponential (doubling from min to max) or linear (doubling up "
         "to step, then every step); a step's token count and sampled rows are padded up to their bucket.",
@@ -128,6 +129,8 @@ class EngineConfig:
         "Cap of --compile-cache-dir in MB: least recently used configurations are deleted beyond it (0: no cap)."))
 
     def __post_init__(self) -> None:
+        if self.compile_mode is not None and self.enable_torch_compile is False:
+            self.enable_torch_compile = True  # --compile-mode alone turns compilation on
         self.validate()
 
     def validate(self) -> None:
@@ -160,7 +163,7 @@ class EngineConfig:
         self._validate_compile()
 
     def _validate_compile(self) -> None:
-        if self.compile_mode not in COMPILE_MODES:
+        if self.compile_mode is not None and self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"--compile-mode must be one of {', '.join(COMPILE_MODES)}; got {self.compile_mode!r}")
         if self.bucketing not in BUCKETING:
             raise ConfigError(f"--bucketing must be one of {', '.join(BUCKETING)}; got {self.bucketing!r}")

@@ -61,6 +61,11 @@ def test_bucket_defaults_come_from_the_scheduler_limits():
     assert linear.batch == (1, 2, 4, 8, 16, 32, 48, 64)
 
 
+def test_compile_mode_alone_turns_compilation_on():
+    assert EngineConfig(compile_mode="max-autotune-no-cudagraphs").enable_torch_compile
+    assert not EngineConfig().enable_torch_compile
+
+
 @pytest.mark.parametrize("options, message", [
     ({"bucketing": "cubic"}, "--bucketing must be one of"),
     ({"bucket_tokens_min": 64, "bucket_tokens_max": 32}, "--bucket-tokens-min (64) is above --bucket-tokens-max"),
@@ -222,6 +227,29 @@ def test_skip_warmup_compiles_each_bucket_at_first_use(gqa_dir, compile_cache, e
     ours, ref = _greedy(lazy, PROMPTS[:1], n=3), _greedy(eager, PROMPTS[:1], n=3)
     assert ours[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert lazy.engine.stats()["num_compilations"] == 3  # the prompt's token bucket, token bucket 4, batch 1
+
+
+@needs_compiler
+@pytest.mark.parametrize("family", ["gemma2", "mixtral"])
+def test_other_families_compile_token_identically(family, tokenizer, tmp_path, compile_cache):
+    """Gemma 2: windows, soft-caps, and a head of its own (left uncompiled: its compute_logits reads the
+    opaque packed embedding); Mixtral: the MoE kernel as an opaque op."""
+    import dense_models
+    import tiny_moe
+
+    path = tmp_path / family
+    if family == "mixtral":
+        tiny_moe.build_model(tiny_moe.MIXTRAL, tokenizer, path)
+    else:
+        dense_models.build(family, tokenizer, path)
+    flags = dict(max_batch_size=2, max_batch_input_tokens=16, bucket_tokens_min=16)  # tokens 16; batch 1, 2
+    ours = make_llm(path, enable_torch_compile=True, compile_cache_dir=str(compile_cache), **flags)
+    ref = make_llm(path, **flags)
+    for a, b in zip(_greedy(ours, PROMPTS[:2], n=6), _greedy(ref, PROMPTS[:2], n=6)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    head = ours.engine.runner.compiled.head_compiled
+    # gemma2: the body, and the head graph whose first run failed on the opaque weight (never run again)
+    assert (head, ours.engine.stats()["num_compilations"]) == ((False, 2) if family == "gemma2" else (True, 3))
 
 
 # -- the warm-cache artifact ---------------------------------------------------------------------

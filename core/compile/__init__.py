@@ -35,7 +35,7 @@ def attach(engine: Any) -> CompiledStep:
                         loaded.attention.chosen.name, buckets, engine.plugins)
     entry = CacheEntry(cache_root(config), cache_key(inputs))
     with startup.phase(startup.COMPILE):
-        step = CompiledStep(loaded.model, buckets, config.compile_mode, entry)
+        step = CompiledStep(loaded.model, buckets, config.compile_mode or "default", entry)
         if not config.skip_warmup:
             hits_before = counters["inductor"]["fxgraph_cache_hit"]
             start = time.perf_counter()

@@ -121,7 +121,7 @@ def key_inputs(config, source, hf_config, dtype: torch.dtype, device: torch.devi
         "attention_backend": attention_backend,
         "moe_backend": config.moe_backend,
         "buckets": buckets.as_dict(),
-        "compile_mode": config.compile_mode,
+        "compile_mode": config.compile_mode or "default",
         "device": _device_identity(device),
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "fw": __version__,
                      "fw.compile": _compile_sources_hash(), "plugins": _plugin_versions(plugins)},

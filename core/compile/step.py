@@ -90,8 +90,9 @@ class CompiledStep:
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
+        compiled = compile_fx(gm, example_inputs, config_patches=self._patches or None)
         self.num_compiles += 1
-        return compile_fx(gm, example_inputs, config_patches=self._patches or None)
+        return compiled
 
     @contextmanager
     def _torch_cache(self) -> Iterator[None]:

@@ -65,15 +65,12 @@ class OpaqueMoeKernel:
         self.name = name
         self.inner = inner
 
-    def process_weights_after_loading(self, experts) -> None:
-        self.inner.process_weights_after_loading(experts)
-
     def forward(self, experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.fw_compile.moe_experts(x, topk_weights, topk_ids, self.name)
         return self.inner.forward(experts, x, topk_weights, topk_ids)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # process_weights_after_loading, ...: the kernel's own
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)

@@ -2,9 +2,10 @@
 
 `check` works out the cache key the server would use for the same flags
 (without loading the model) and reports each bucket hit when that key's
-manifest lists it. `build` starts an engine with the flags, whose warm-up
-compiles every bucket into the cache (or waits for another process compiling
-the same key, then finds it compiled), and drops it again."""
+manifest lists it. `build`, unless every bucket hits, starts an engine with
+the flags, whose warm-up compiles every bucket into the cache (or waits for
+another process compiling the same key, then finds it compiled), and drops it
+again."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class CompiledStepsArtifact:
         if entry is None:
             return [WarmItem(f"{dim}={b}", False, "model files not present yet")
                     for dim, values in (("tokens", buckets.tokens), ("batch", buckets.batch)) for b in values]
-        done = entry.compiled_buckets()
+        done = entry.compiled_buckets() if entry.inductor_dir.is_dir() else {"tokens": set(), "batch": set()}
         return [WarmItem(f"{dim}={b}", b in done[dim], f"key {entry.key} in {entry.root}")
                 for dim, values in (("tokens", buckets.tokens), ("batch", buckets.batch)) for b in values]
 
@@ -66,6 +67,8 @@ class CompiledStepsArtifact:
                 raise FwError(f"compiled steps are built by running them: --target-device {target} is not the "
                               f"device here; run fw warm-cache on a machine with that device")
         before = self.check(context)
+        if all(item.hit for item in before):
+            return before  # nothing to compile: no engine to start
         from fw.engine.engine import LLMEngine
 
         engine = LLMEngine(dataclasses.replace(cfg, skip_warmup=False, num_kv_blocks=_WARM_KV_BLOCKS),
