@@ -199,9 +199,9 @@ def test_backend_selection_through_the_engine(root, llama_dir):
         """)
     manager = builtin_manager(pf.make_distribution(root, "fw-gpu-backend", {module: source}, {"gpu": module}))
     with pytest.raises(UnsupportedConfigurationError,
-                       match=r"'gpu_only' cannot run.*device 'cpu' not supported.*would work: cpu_paged, sdpa\."):
+                       match=r"'gpu_only' cannot run.*device 'cpu' not supported.*would work: cpu_paged, sdpa, flex\."):
         small_llm(str(llama_dir), plugins=manager, attention_backend="gpu_only")
-    with pytest.raises(UnknownImplementationError, match="registered: cpu_paged, gpu_only, sdpa"):
+    with pytest.raises(UnknownImplementationError, match="registered: cpu_paged, flash-attn, flex, gpu_only, sdpa, triton"):
         small_llm(str(llama_dir), plugins=manager, attention_backend="nonexistent")
 
     sdpa = manager.registry("attention_backend").get("sdpa").backend_cls
@@ -230,4 +230,4 @@ def test_cli_unknown_attention_backend(llama_dir, capsys):
                  "--num-kv-blocks", "32"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "no attention backend named 'nonexistent'; registered: cpu_paged, sdpa" in err
+    assert "no attention backend named 'nonexistent'; registered: cpu_paged, flash-attn, flex, sdpa, triton" in err

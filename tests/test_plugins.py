@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import plugin_fixtures as pf
+from fw.version import PLUGIN_API_VERSION
 from fw.errors import DuplicatePluginNameError, PluginLoadError, UnsupportedArchitectureError
 from fw.plugins import SamplerSpec
 from fw.plugins.manager import PluginManager, reset_plugin_manager
@@ -336,7 +337,8 @@ def test_newer_major_api_is_refused(root):
     manager = builtin_manager(root)
     info = manager.plugins["fw_future"]
     assert info.error == (
-        "refused: targets plugin API 2.0, but this fw provides 1.0; install a version of the plugin built for API 1.x")
+        f"refused: targets plugin API 2.0, but this fw provides {PLUGIN_API_VERSION}; "
+        "install a version of the plugin built for API 1.x")
     assert "future_stage" not in manager.registry("sampler")
     assert "default" in manager.registry("sampler")
     with pytest.raises(PluginLoadError, match="refused: targets plugin API 2.0"):
@@ -345,11 +347,12 @@ def test_newer_major_api_is_refused(root):
 
 def test_newer_minor_api_loads_with_a_warning(root):
     sampler_distribution(root, "fw-newer", "newer_stage", api_version="1.9")
-    with pytest.warns(UserWarning, match=r"fw-newer.*targets plugin API 1\.9, newer than this fw's 1\.0"):
+    newer = r"fw-newer.*targets plugin API 1\.9, newer than this fw's " + re.escape(PLUGIN_API_VERSION)
+    with pytest.warns(UserWarning, match=newer):
         manager = builtin_manager(root)
     info = manager.plugins["fw_newer"]
     assert info.error is None and info.api_version == "1.9"
-    assert info.warnings == ["targets plugin API 1.9, newer than this fw's 1.0; upgrade fw"]
+    assert info.warnings == [f"targets plugin API 1.9, newer than this fw's {PLUGIN_API_VERSION}; upgrade fw"]
     assert "newer_stage" in manager.registry("sampler")
 
 

@@ -1,5 +1,6 @@
 """`fw bench`: benchmarks as commands. `fw bench serve` loads any OpenAI-compatible server;
-`fw bench latency` and `fw bench throughput` measure fw's engine in-process, optionally against transformers."""
+`fw bench latency` and `fw bench throughput` measure fw's engine in-process, optionally against transformers;
+`fw bench kernels` times attention backends and MoE kernels alone (fw.bench.kernels)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         description="Offline throughput of fw's engine on N prompts submitted at once, optionally against "
                     "transformers generate() in static batches. See docs/bench.md.")
     configure_throughput(throughput)
+    kernels = actions.add_parser(
+        "kernels", help="Attention and MoE kernel microbenchmarks: time, GB/s, FLOP/s, fraction of the device's peak.",
+        description="Time every installed attention backend (paged decode) or MoE kernel that can run on the "
+                    "device over a sweep of shapes; report bandwidth and FLOP/s against the device's peak. "
+                    "See docs/bench.md.")
+    from fw.bench.kernels import configure as configure_kernels
+
+    configure_kernels(kernels)
     p.set_defaults(_bench_help=p.print_help)
 
 
@@ -120,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
         return run_serve(args)
     if args.bench_action in ("latency", "throughput"):
         return run_offline(args)
+    if args.bench_action == "kernels":
+        from fw.bench.kernels import run as run_kernels
+
+        return run_kernels(args)
     args._bench_help()
     return 2
 

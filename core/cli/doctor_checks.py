@@ -19,6 +19,11 @@ from fw.plugins.manager import PluginManager
 from fw.plugins.registry import Registry
 
 
+def _priority_on(req: Any) -> Callable[[Any], int]:
+    """How selection ranks specs for `req`: attention backends by their priority on its device."""
+    return lambda spec: spec.priority_on(req.device) if hasattr(spec, "priority_on") else spec.priority
+
+
 def _row(reg, status: str, reasons: list[str] | None = None, note: str | None = None, **extra: Any) -> dict:
     row = {"name": reg.spec.name, "plugin": reg.plugin, "distribution": reg.distribution, "status": status,
            "reasons": list(reasons or [])}
@@ -333,17 +338,18 @@ class Diagnosis:
             except FwError as exc:
                 self.problem(f"{exc} Without {flag}, {instead}.", section)
         chosen = section["chosen"]
-        regs = sorted(registry.registrations(), key=lambda r: (-r.spec.priority, r.spec.name))
+        rank = _priority_on(req)
+        regs = sorted(registry.registrations(), key=lambda r: (-rank(r.spec), r.spec.name))
         for reg in regs:
             reasons = reg.spec.rejection_reasons(req)
             if reasons:
-                section["candidates"].append(_row(reg, "rejected", reasons, priority=reg.spec.priority))
+                section["candidates"].append(_row(reg, "rejected", reasons, priority=rank(reg.spec)))
             elif reg.spec.name == chosen:
-                section["candidates"].append(_row(reg, "chosen", priority=reg.spec.priority))
+                section["candidates"].append(_row(reg, "chosen", priority=rank(reg.spec)))
             else:
                 note = (f"not named by {flag}" if explicit else
                         f"lower priority than {chosen}" if chosen else None)
-                section["candidates"].append(_row(reg, "accepted", note=note, priority=reg.spec.priority))
+                section["candidates"].append(_row(reg, "accepted", note=note, priority=rank(reg.spec)))
         if explicit and chosen is None and auto is not None:
             section["instead"] = auto.name
         return section
@@ -359,7 +365,8 @@ class Diagnosis:
         if section["requested"] == "auto" and section["chosen"]:
             spec = self.plugins.registry("attention_backend").get(section["chosen"])
             self.resolve("attention_backend", section["chosen"], f"plugin {section['chosen']}",
-                         f"auto: the highest-priority backend that can run (priority {spec.priority})")
+                         f"auto: the highest-priority backend that can run (priority {spec.priority_on(req.device)} "
+                         f"on {req.device})")
 
     def _moe(self) -> None:
         from fw.plugins.selection import select_moe_kernel

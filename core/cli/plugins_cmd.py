@@ -1,4 +1,5 @@
-"""`fw plugins list`: every plugin, its distribution, what it provides, and load errors."""
+"""`fw plugins list`: every plugin, its distribution, what it provides, and load errors.
+`fw plugins new`: write a working plugin package to start from (fw.scaffold)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import json
 
 from fw.plugins.specs import KINDS
 
+# `fw plugins new --kind` values (fw.scaffold.KINDS, listed here so building the parser stays import-light)
+SCAFFOLD_KINDS = ("architecture", "attention", "quantization", "sampler", "grammar")
+
 NAME = "plugins"
-HELP = "Inspect installed plugins."
+HELP = "Inspect installed plugins, or start a new one."
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -19,13 +23,23 @@ def configure(p: argparse.ArgumentParser) -> None:
     ls.add_argument("--custom-architectures", action="append", default=None,
                     help="Also load these custom architecture modules (as the engine would).")
     ls.add_argument("--strict-plugins", action="store_true", help="Exit non-zero if any plugin failed to load.")
+    new = sub.add_parser("new", help="Write a working, installable plugin package of one kind.",
+                         description="Write a working, installable plugin package: pyproject.toml with the fw "
+                                     "entry point, a real implementation, tests (with fw's conformance suite) "
+                                     "and a README saying what to change.")
+    new.add_argument("--kind", required=True, choices=SCAFFOLD_KINDS, help="What the plugin provides.")
+    new.add_argument("name", metavar="NAME",
+                     help="The name fw registers (e.g. my-backend); the package is written to DIR/fw-NAME.")
+    new.add_argument("--output", "-o", metavar="DIR", default=".", help="Where to write the package (default: .).")
 
 
 def run(args: argparse.Namespace) -> int:
     from fw.plugins.manager import get_plugin_manager
 
+    if args.plugins_command == "new":
+        return run_new(args)
     if args.plugins_command != "list":
-        print("usage: fw plugins list [--json] [--kind KIND]")
+        print("usage: fw plugins list [--json] [--kind KIND] | fw plugins new --kind KIND NAME [--output DIR]")
         return 2
     manager = get_plugin_manager()
     if args.custom_architectures:
@@ -36,6 +50,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows))
     return 0  # with --strict-plugins, `fw` has already exited non-zero if any plugin failed
+
+
+def run_new(args: argparse.Namespace) -> int:
+    from fw.plugins.manager import get_plugin_manager
+    from fw.scaffold import KINDS as SCAFFOLDS, new_plugin
+
+    registry_kind = SCAFFOLDS[args.kind].registry_kind
+    root = new_plugin(args.kind, args.name, args.output, taken=get_plugin_manager().registry(registry_kind).names())
+    print(f"Wrote {root}/ ({SCAFFOLDS[args.kind].title} {args.name!r}). Next:")
+    print(f"  pip install -e '{root}[test]'")
+    print(f"  fw plugins list --kind {registry_kind}")
+    print(f"  python -m pytest {root / 'tests'}")
+    return 0
 
 
 def format_table(rows: list[dict]) -> str:

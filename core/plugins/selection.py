@@ -22,13 +22,15 @@ class Selection:
 
 
 def _select_by_priority(registry: Registry, req: Any, name: str | None,
-                        refused: Callable[[str, str, str], str], none_usable: Callable[[str], str]) -> Selection:
-    """The named implementation if it can run, else the highest-priority one that can.
+                        refused: Callable[[str, str, str], str], none_usable: Callable[[str], str],
+                        rank: Callable[[Any], int] = lambda spec: spec.priority) -> Selection:
+    """The named implementation if it can run, else the highest-ranked one that can.
 
     `refused(name, reasons, working)` words the error for an explicit name that cannot run,
-    `none_usable(detail)` the error when nothing can."""
+    `none_usable(detail)` the error when nothing can; `rank(spec)` is its priority (by default
+    `spec.priority`)."""
     rejected = {spec.name: spec.rejection_reasons(req) for spec in registry}
-    usable = sorted((s for s in registry if not rejected[s.name]), key=lambda s: (-s.priority, s.name))
+    usable = sorted((s for s in registry if not rejected[s.name]), key=lambda s: (-rank(s), s.name))
     rejected = {n: r for n, r in rejected.items() if r}
     if name is not None and name != "auto":
         spec = registry.get(name)
@@ -45,10 +47,11 @@ def _select_by_priority(registry: Registry, req: Any, name: str | None,
 def select_attention_backend(
     registry: Registry[AttentionBackendSpec], req: AttentionRequirements, name: str | None = None
 ) -> Selection:
-    """The named backend if it can run, else the highest-priority one that can. An explicit name that
-    cannot run is an error listing its reasons and the names that would work."""
+    """The named backend if it can run, else the one with the highest priority on `req.device`
+    (`AttentionBackendSpec.priority_on`) that can. An explicit name that cannot run is an error
+    listing its reasons and the names that would work."""
     return _select_by_priority(
-        registry, req, name,
+        registry, req, name, rank=lambda spec: spec.priority_on(req.device),
         refused=lambda n, why, working: (f"attention backend {n!r} cannot run this model here: {why}. "
                                          f"Backends that would work: {working}."),
         none_usable=lambda detail: (f"no attention backend can run this model on {req.device} with {req.dtype} "

@@ -7,7 +7,7 @@ into the list of reasons it cannot serve it (empty: it can).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 KINDS = ("architecture", "attention_backend", "moe_kernel", "quantization_method", "sampler", "grammar_backend",
@@ -100,7 +100,15 @@ class AttentionBackendSpec:
     priority: int = 0
     available: Callable[[], str | None] | None = None
     description: str = ""
+    # Auto's rank on a device listed here (e.g. {"cpu": -10, "cuda": 20}); `priority` elsewhere. A backend
+    # can be fastest on one device and slow on another: the reference `sdpa` stays 0 on both. Last, so
+    # positional arguments of existing specs keep their meaning.
+    priority_by_device: dict[str, int] | None = field(default=None, hash=False)
     kind = "attention_backend"
+
+    def priority_on(self, device: str) -> int:
+        """The priority auto ranks this backend by on `device`."""
+        return (self.priority_by_device or {}).get(device, self.priority)
 
     def rejection_reasons(self, req: AttentionRequirements) -> list[str]:
         reasons = _device_and_dtype_reasons(self, req)
@@ -127,6 +135,7 @@ class AttentionBackendSpec:
             "logit_softcap": self.supports_logit_softcap,
             "kv_cache_dtypes": list(self.kv_cache_dtypes),
             "priority": self.priority,
+            **({"priority_by_device": dict(self.priority_by_device)} if self.priority_by_device else {}),
         }
 
 
