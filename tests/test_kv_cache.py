@@ -267,3 +267,26 @@ def test_cache_too_small_for_one_sequence_is_an_error_not_a_hang(fresh_llm):
         llm.generate([[5] * 10], greedy(4))
     out = llm.generate([[5] * 6], greedy(6))[0]
     assert len(out.outputs[0].token_ids) == 6
+
+
+def test_page_keys_are_chained_sha256_digests():
+    """Prefix-cache keys must resist crafted collisions, which Python's tuple hash does not (a prompt
+    colliding with another request's page would read its K/V): each full page's key is SHA-256 over
+    its parent page's key and its own token ids, so a change in any earlier page changes every later key."""
+    import hashlib
+    from array import array
+    from types import SimpleNamespace
+
+    from fw.engine.block_manager import BlockManager
+
+    def keys(token_ids: list[int]) -> list[bytes]:
+        seq = SimpleNamespace(token_ids=token_ids, block_hashes=[])
+        BlockManager(8, PAGE, enable_prefix_caching=True)._hash_blocks(seq, len(token_ids))
+        return seq.block_hashes
+
+    tokens = list(range(100, 111))  # two full pages of 4 and a partial one (never keyed)
+    got = keys(tokens)
+    first = hashlib.sha256(array("q", tokens[:4]).tobytes()).digest()
+    assert got == [first, hashlib.sha256(first + array("q", tokens[4:8]).tobytes()).digest()]
+    changed = keys([999] + tokens[1:])
+    assert changed[0] != got[0] and changed[1] != got[1]  # same second page, other prefix: another key

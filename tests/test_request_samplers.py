@@ -18,29 +18,14 @@ from fw.plugins import SamplerSpec
 from fw.sampling.batch import SamplingBatch
 from fw.sampling.params import SamplerRequest
 from fw.sampling.pipeline import SamplerPipeline
+from fw.testing import FakeSequence
 from sampler_plugins import manager_with_sampler_plugins, repeated_trigrams
 
 VOCAB = 16
 
 
-class FakeSeq:
-    def __init__(self, params: SamplingParams, token_ids=(1, 2, 3), num_prompt_tokens: int = 1):
-        self.params = params
-        self.token_ids = list(token_ids)
-        self.num_prompt_tokens = num_prompt_tokens
-        self.generator = None
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-
 def batch_of(params: list[SamplingParams]) -> SamplingBatch:
-    return SamplingBatch([FakeSeq(p) for p in params], VOCAB, torch.device("cpu"), frozenset())
+    return SamplingBatch([FakeSequence(p, [1, 2, 3]) for p in params], VOCAB, torch.device("cpu"), frozenset())
 
 
 # -- SamplingParams ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 from fw import SamplingParams
 from fw.errors import InvalidRequestError
 from fw.sampling.batch import SamplingBatch
+from fw.testing import FakeSequence as FakeSeq
 
 PROMPTS = [
     "Hello world",
@@ -119,22 +120,6 @@ def test_min_p_drops_tokens_below_the_threshold(llm, unrestricted):
     assert any(p < min_p * top1 for _, p, top1, _ in unrestricted)
     for _, p, top1, _ in sample_many(llm, min_p=min_p):
         assert p >= min_p * top1 * (1 - 1e-5)
-
-
-@dataclass
-class FakeSeq:
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int = 1
-    generator: torch.Generator | None = None
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 ACTIVE = {

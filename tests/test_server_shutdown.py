@@ -97,5 +97,11 @@ def test_sigterm_aborts_what_outlasts_the_shutdown_timeout(tmp_path):
         assert code == 0, server.describe()
         assert elapsed < timeout + 5, f"exit took {elapsed:.1f} s"
         assert len([ln for ln in lines if ln.startswith("data: {")]) < 2000
+        # The stream was ended, not cut: an error event saying why, then [DONE].
+        events = [ln for ln in lines if ln.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", events[-3:]
+        error = json.loads(events[-2][len("data: "):])["error"]
+        assert error["code"] == 503 and error["type"] == "service_unavailable", error
+        assert "--shutdown-timeout" in error["message"]
     finally:
         server.kill()

@@ -66,11 +66,13 @@ def run(args: argparse.Namespace) -> int:
         await async_engine.drain(server_config.shutdown_timeout)
 
     app = build_app(state, on_shutdown)
+    grace = max(1, int(server_config.shutdown_timeout))  # uvicorn's unit: whole seconds
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_config=None,
-                            timeout_graceful_shutdown=max(1, int(server_config.shutdown_timeout)),
+                            timeout_graceful_shutdown=grace,
                             access_log=server_config.log_requests)
     server = uvicorn.Server(config)
     _announce_when_ready(server, server_config, names[0])
+    _end_streams_before_the_deadline(server, state, grace)
     _graceful_sigterm_exits_zero()
     server.run()
     return 0
@@ -101,6 +103,35 @@ def _announce_when_ready(server, config, name: str) -> None:
                   f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
 
     server.startup = startup
+
+
+def _end_streams_before_the_deadline(server, state, timeout: int) -> None:
+    """On SIGTERM/SIGINT uvicorn waits up to --shutdown-timeout for open connections, then cancels
+    them: a stream still running would end mid-answer with no word why. Half a second before that
+    deadline, each unfinished stream is ended with a 503 `service_unavailable` error event and
+    [DONE] instead (its request aborted), so a client can tell a shutdown from a network fault."""
+    import asyncio
+
+    from fw.server.state import ShuttingDownError
+
+    original = server.shutdown
+
+    async def end_streams() -> None:
+        await asyncio.sleep(max(0.0, timeout - 0.5))
+        error = ShuttingDownError(f"the server shut down before this request finished (--shutdown-timeout "
+                                  f"{timeout} s ran out); retry it on another replica")
+        if count := state.engine.fail_streams(error):
+            logging.getLogger("fw.server").warning("shutdown: ended %d unfinished stream(s) with an error", count)
+
+    async def shutdown(sockets=None) -> None:
+        state.draining = True  # refuse new requests from now, not only once the connections are gone
+        timer = asyncio.ensure_future(end_streams())
+        try:
+            await original(sockets=sockets)
+        finally:
+            timer.cancel()
+
+    server.shutdown = shutdown
 
 
 def _configure_logging(json_logs: bool, level: str) -> None:

@@ -1,12 +1,19 @@
 """Paged KV-cache bookkeeping: page allocation, reference counts, and prefix
 caching by hashing full pages (each hash chains its parent's).
 
+Page hashes are SHA-256 digests, not Python's `hash()`: tuple hashes of
+integers are deterministic and cheap to collide on purpose, and a crafted
+prompt whose page collided with another request's would read that request's
+K/V (vLLM moved to SHA-256 for the same reason). A digest costs ~1 µs a page.
+
 Freed pages keep their hash and stay reusable until they are evicted, least
 recently freed first, so a later request with the same prefix finds them.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -29,9 +36,9 @@ class BlockManager:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.cached: dict[bytes, int] = {}  # page hash -> block id
         self.stats = PrefixCacheStats()
 
     @property
@@ -51,8 +58,9 @@ class BlockManager:
         """Extend seq.block_hashes to cover the full pages among its first `upto_tokens` tokens."""
         p = self.page_size
         for i in range(len(seq.block_hashes), upto_tokens // p):
-            parent = seq.block_hashes[i - 1] if i else None
-            seq.block_hashes.append(hash((parent, tuple(seq.token_ids[i * p:(i + 1) * p]))))
+            digest = hashlib.sha256(seq.block_hashes[i - 1] if i else b"")
+            digest.update(array("q", seq.token_ids[i * p:(i + 1) * p]).tobytes())
+            seq.block_hashes.append(digest.digest())
 
     def _uses_prefix_cache(self, seq: Sequence) -> bool:
         # Prompt logprobs need the logits of every prompt position, so those prompts are computed.

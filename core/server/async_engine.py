@@ -88,6 +88,15 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
 
+    def fail_streams(self, error: FwError) -> int:
+        """End every stream in flight with `error` (its client gets an error event, not a cut
+        connection) and abort its request; returns how many. Called on the event loop's thread."""
+        failed = list(self._streams.items())
+        for request_id, stream in failed:
+            stream.push(error)
+            self.abort_nowait(request_id)
+        return len(failed)
+
     # -- requests ----------------------------------------------------------------------
 
     async def add_request(

@@ -17,4 +17,12 @@ from __future__ import annotations
 
 from fw.testing.suite import SUITE_KINDS, conformance_suite
 
-__all__ = ["SUITE_KINDS", "conformance_suite"]
+__all__ = ["SUITE_KINDS", "conformance_suite", "FakeSequence"]
+
+
+def __getattr__(name: str):
+    if name == "FakeSequence":  # imports torch: only when asked for
+        from fw.testing.sequences import FakeSequence
+
+        return FakeSequence
+    raise AttributeError(name)

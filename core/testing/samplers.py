@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fw.testing.sequences import FakeSequence as Row
 from fw.testing.suite import Case, SuiteTest
 
 OPTIONS = frozenset({"active_params", "args"})
@@ -41,24 +42,6 @@ STANDARD_ACTIVE: dict[str, dict] = {
 HISTORIES = [[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [1, 3, 3, 9, 30, 2, 11], [1, 40, 41, 42, 40, 41]]
 
 
-@dataclass
-class Row:
-    """A sequence as `SamplingBatch` sees it: parameters, tokens so far (prompt then output), generator."""
-
-    params: Any
-    token_ids: list[int]
-    num_prompt_tokens: int = 3
-    generator: torch.Generator | None = None
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-
 def _batch(rows: list[Row]):
     from fw.sampling.batch import SamplingBatch
 
@@ -71,7 +54,7 @@ def _rows(params: list, seeds: list[int | None]) -> list[Row]:
     for i, (p, seed) in enumerate(zip(params, seeds)):
         history = HISTORIES[i % len(HISTORIES)]
         gen = None if seed is None else torch.Generator().manual_seed(seed + len(history) - 3)
-        rows.append(Row(p, list(history), generator=gen))
+        rows.append(Row(p, list(history), num_prompt_tokens=3, generator=gen))
     return rows
 
 

@@ -19,6 +19,7 @@ except ImportError:
 
 from fw.sampling.batch import SamplingBatch  # noqa: E402
 from fw.sampling.params import SamplingParams  # noqa: E402
+from fw.testing import FakeSequence as FakeSeq  # noqa: E402
 
 
 def sampler_pipeline():
@@ -30,25 +31,6 @@ def sampler_pipeline():
     eps.append(md.EntryPoint(name="dry", value="fw_sampler_dry.plugin", group="fw"))
     manager = PluginManager(entry_points=eps, allow={"samplers", "dry"}, block=(), strict=True).load()
     return SamplerPipeline(manager.registry("sampler"), "default")
-
-
-class FakeSeq:
-    """What SamplingBatch reads from an engine sequence."""
-
-    def __init__(self, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int = 1,
-                 generator: torch.Generator | None = None):
-        self.params = params
-        self.token_ids = list(token_ids)
-        self.num_prompt_tokens = num_prompt_tokens
-        self.generator = generator
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 def batch_of(rows: list[tuple[SamplingParams, list[int]]], vocab: int) -> SamplingBatch:

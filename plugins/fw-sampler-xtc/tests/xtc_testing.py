@@ -20,6 +20,7 @@ except ImportError:
 
 from fw.sampling.batch import SamplingBatch  # noqa: E402
 from fw.sampling.params import SamplingParams  # noqa: E402
+from fw.testing import FakeSequence  # noqa: E402
 
 
 def sampler_pipeline():
@@ -33,23 +34,12 @@ def sampler_pipeline():
     return SamplerPipeline(manager.registry("sampler"), "default")
 
 
-class FakeSeq:
-    """What SamplingBatch reads from an engine sequence; `generator` as the engine makes it for a
-    seeded request (seed + output index)."""
+class FakeSeq(FakeSequence):
+    """A row whose generator is seeded as the engine seeds a seeded request's (seed + output index)."""
 
     def __init__(self, params: SamplingParams, token_ids: list[int] = (1,), num_prompt_tokens: int = 1):
-        self.params = params
-        self.token_ids = list(token_ids)
-        self.num_prompt_tokens = num_prompt_tokens
-        self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        super().__init__(params, list(token_ids), num_prompt_tokens, generator)
 
 
 def step(pipeline, seqs: list[FakeSeq], logits: torch.Tensor) -> list[int]:
