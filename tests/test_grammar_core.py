@@ -184,3 +184,28 @@ def test_structured_outputs_params_validation() -> None:
                         ({"jsn": {}}, "jsn")):
         with pytest.raises(InvalidRequestError, match=needle):
             SamplingParams(structured_outputs=bad)
+
+
+def test_kept_grammars_compile_instead_of_failing_on_an_unreadable_entry(tmp_path, monkeypatch, caplog):
+    """What fw warm-cache kept is only a shortcut: an entry another library build wrote, or a damaged
+    file, is logged and compiled afresh; nothing kept (or nothing ever warmed) is a plain miss."""
+    from types import SimpleNamespace
+
+    from fw.grammar import Constraint
+    from fw.warm.grammar import KeptGrammars
+
+    monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path))
+    versions = []
+    kept = KeptGrammars("demo", lambda: versions.append(1) or "demo 1.0", SimpleNamespace(cache_key="vocab"))
+    constraint = Constraint("regex", "[a-z]+")
+    assert kept.load(constraint, bytes.decode) is None and versions == []  # never warmed: no store opened
+    kept.save(constraint, b"compiled form")
+    assert kept.has(constraint) and kept.load(constraint, bytes.decode) == "compiled form"
+    assert versions == [1]  # the version label is asked for once
+
+    def unreadable(data: bytes) -> str:
+        raise ValueError("written by another build")
+
+    with caplog.at_level("WARNING", logger="fw.warm"):
+        assert kept.load(constraint, unreadable) is None
+    assert "demo: ignoring the kept compiled form of" in caplog.text and "another build" in caplog.text

@@ -450,7 +450,7 @@ def test_servers_load_kept_grammars_instead_of_compiling(backend, grammar_contex
     warm = registry.get(backend).factory(tokenizer)
     assert not warm.persisted(constraint)
     if backend == "xgrammar":  # keeps a grammar only when loading beats compiling: store one outright
-        warm._store().save(constraint, warm.compile(constraint).compiled.serialize_json().encode())
+        warm._kept.save(constraint, warm.compile(constraint).compiled.serialize_json().encode())
     else:
         warm.persist(constraint)
     assert warm.persisted(constraint)
@@ -470,7 +470,7 @@ def test_xgrammar_persist_keeps_a_grammar_or_records_that_compiling_is_faster(gr
         resolve.grammar_tokenizer(grammar_context))
     constraint = Constraint("regex", "[a-z]{2,5}")
     detail = compiler.persist(constraint)
-    kept = compiler._store().load(constraint)
+    kept = compiler._kept.store.load(constraint)
     assert ("not kept" in detail) == (kept == b"")
     assert compiler.compile(constraint).matcher() is not None  # an empty entry means: compile it
 

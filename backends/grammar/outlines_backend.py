@@ -33,6 +33,7 @@ import itertools
 import logging
 import threading
 import time
+from importlib.metadata import version
 from typing import Any, Sequence
 
 import torch
@@ -41,6 +42,7 @@ from fw.backends.grammar.outlines_regex import choice_regex
 from fw.backends.grammar.outlines_schema import SchemaError, schema_to_regex
 from fw.grammar import Constraint, GrammarError, GrammarTokenizer
 from fw.plugins import GrammarBackendSpec, hookimpl
+from fw.warm.grammar import KeptGrammars
 
 FW_PLUGIN_API_VERSION = "1.0"
 NAME = "outlines"
@@ -187,6 +189,12 @@ class OutlinesGrammar:
         return OutlinesMatcher(self)
 
 
+def _index_from_binary(data: bytes) -> Any:
+    from outlines_core import Index
+
+    return Index.from_binary(data)
+
+
 class OutlinesCompiler:
     """Compiles constraints to outlines-core Indexes over the engine's vocabulary. `compile` is
     thread-safe; the Vocabulary is built once (about 0.2 s for 49k tokens) on first use."""
@@ -196,7 +204,8 @@ class OutlinesCompiler:
         self._lock = threading.Lock()
         self._vocabulary: Any = None
         self._rows = _Rows(tokenizer, MASK_CACHE_BYTES)
-        self._grammar_store: Any = None  # fw.warm.grammar.GrammarStore, made when first needed
+        self._kept = KeptGrammars(NAME, lambda: f"outlines-core {version('outlines_core')}; "
+                                                f"whitespace={WHITESPACE_PATTERN!r}", tokenizer)
 
     def vocabulary(self) -> Any:
         """outlines-core's Vocabulary: each token's bytes -> its ids; stop and special tokens left out
@@ -219,7 +228,7 @@ class OutlinesCompiler:
         regex = self.regex_for(constraint)
         from outlines_core import Index
         try:
-            index = self._load(constraint)
+            index = self._kept.load(constraint, _index_from_binary)
             if index is None:
                 index = Index(regex, self.vocabulary())
         except ValueError as exc:
@@ -232,7 +241,7 @@ class OutlinesCompiler:
     # -- kept across processes (`fw warm-cache --warm-schemas`; docs/warm-cache.md) --------------
 
     def persisted(self, constraint: Constraint) -> bool:
-        return self._store().has(constraint)
+        return self._kept.has(constraint)
 
     def persist(self, constraint: Constraint) -> str:
         """Compile `constraint` (GrammarError if it cannot be) and keep its Index: reading one back takes
@@ -240,37 +249,10 @@ class OutlinesCompiler:
         start = time.perf_counter()
         index = self.compile(constraint).index
         data = index.__reduce__()[1][0]  # the Index's own binary form (what pickling it stores)
-        self._store().save(constraint, data)
+        self._kept.save(constraint, data)
         from fw.warm.grammar import size_text
 
         return f"compiled in {(time.perf_counter() - start) * 1000:.0f} ms, kept ({size_text(len(data))})"
-
-    def _store(self) -> Any:
-        with self._lock:
-            if self._grammar_store is None:
-                from importlib.metadata import version
-
-                from fw.warm.grammar import GrammarStore
-
-                label = f"outlines-core {version('outlines_core')}; whitespace={WHITESPACE_PATTERN!r}"
-                self._grammar_store = GrammarStore(NAME, label, self.tokenizer)
-            return self._grammar_store
-
-    def _load(self, constraint: Constraint) -> Any:
-        """The Index fw warm-cache kept for `constraint`, or None (nothing kept, or unreadable)."""
-        from fw.warm.grammar import store_in_use
-
-        if not store_in_use(NAME):  # nothing was ever warmed: skip hashing the vocabulary
-            return None
-        data = self._store().load(constraint)
-        if not data:
-            return None
-        from outlines_core import Index
-        try:
-            return Index.from_binary(data)
-        except Exception as exc:  # another outlines-core build, a damaged file: compile instead
-            logger.warning("ignoring the kept index for %s (%s); compiling it", constraint.describe(), exc)
-            return None
 
     def regex_for(self, constraint: Constraint) -> str:
         """The regex a constraint compiles to (GrammarError for what this backend cannot express)."""

@@ -30,8 +30,8 @@ import functools
 import json
 import logging
 import os
-import threading
 import time
+from importlib.metadata import version
 from typing import Any, Sequence
 
 import torch
@@ -39,6 +39,7 @@ import torch
 from fw.backends.grammar.xgrammar_schema import error_reason, prepare_schema
 from fw.grammar import Constraint, GrammarError, GrammarTokenizer
 from fw.plugins import GrammarBackendSpec, hookimpl
+from fw.warm.grammar import KeptGrammars
 
 FW_PLUGIN_API_VERSION = "1.0"
 NAME = "xgrammar"
@@ -115,12 +116,13 @@ class XGrammarCompiler:
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_limit_bytes=CACHE_LIMIT_BYTES)
         self._stop_row = _stop_only_row(tokenizer)
         self._batch: Any = None  # a BatchGrammarMatcher, made on the first batched fill (engine thread)
-        self._grammar_store: Any = None  # fw.warm.grammar.GrammarStore, made when first needed
-        self._store_lock = threading.Lock()
+        self._kept = KeptGrammars(NAME, lambda: f"xgrammar {version('xgrammar')}; any_whitespace={ANY_WHITESPACE}; "
+                                                "strict", tokenizer)
 
     def compile(self, constraint: Constraint) -> XGrammarCompiled:
         try:
-            compiled = self._load(constraint)
+            compiled = self._kept.load(constraint, lambda data: self._xgr.CompiledGrammar.deserialize_json(
+                data.decode(), self.info))
             if compiled is None:
                 compiled = self._compile(constraint)
         except (RuntimeError, ValueError) as exc:
@@ -131,7 +133,7 @@ class XGrammarCompiler:
     # -- kept across processes (`fw warm-cache --warm-schemas`; docs/warm-cache.md) --------------
 
     def persisted(self, constraint: Constraint) -> bool:
-        return self._store().has(constraint)
+        return self._kept.has(constraint)
 
     def persist(self, constraint: Constraint) -> str:
         """Compile `constraint` (GrammarError if it cannot be) and keep its serialized form, but only where
@@ -147,37 +149,10 @@ class XGrammarCompiler:
         self._xgr.CompiledGrammar.deserialize_json(data, self.info)
         load_s = time.perf_counter() - start
         keep = load_s < compile_s
-        self._store().save(constraint, data.encode() if keep else b"")
+        self._kept.save(constraint, data.encode() if keep else b"")
         return (f"compiled in {compile_s * 1000:.0f} ms, kept ({size_text(len(data))}, loads in "
                 f"{load_s * 1000:.0f} ms)" if keep else
                 f"compiled in {compile_s * 1000:.0f} ms; not kept: loading takes {load_s * 1000:.0f} ms")
-
-    def _store(self) -> Any:
-        with self._store_lock:  # compiles run on a worker thread
-            if self._grammar_store is None:
-                from importlib.metadata import version as installed
-
-                from fw.warm.grammar import GrammarStore
-
-                version = f"xgrammar {installed('xgrammar')}; any_whitespace={ANY_WHITESPACE}; strict"
-                self._grammar_store = GrammarStore(NAME, version, self.tokenizer)
-            return self._grammar_store
-
-    def _load(self, constraint: Constraint) -> Any:
-        """The compiled grammar fw warm-cache kept for `constraint`, or None (nothing kept, or unreadable)."""
-        from fw.warm.grammar import store_in_use
-
-        if not store_in_use(NAME):  # nothing was ever warmed: skip hashing the vocabulary
-            return None
-        data = self._store().load(constraint)
-        if not data:
-            return None
-        try:
-            return self._xgr.CompiledGrammar.deserialize_json(data.decode(), self.info)
-        except Exception as exc:  # another xgrammar build, a damaged file: compile instead
-            logger.warning("ignoring the kept compiled grammar for %s (%s); compiling it",
-                           constraint.describe(), exc)
-            return None
 
     def _compile(self, constraint: Constraint) -> Any:
         compiler, kind = self._compiler, constraint.kind

@@ -24,14 +24,17 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from fw.errors import ConfigError, FwError
 from fw.paths import cache_dir
 from fw.warm.artifact import WarmContext, WarmItem
 
 logger = logging.getLogger("fw.warm")
+
+T = TypeVar("T")
 
 _PARAM_KEYS = {"json", "regex", "choice", "grammar", "json_object", "backend"}
 
@@ -77,6 +80,46 @@ class GrammarStore:
             Path(tmp).unlink(missing_ok=True)
             raise
         return path
+
+
+class KeptGrammars:
+    """A grammar compiler's kept grammars: its `GrammarStore`, opened at first use (keying it hashes
+    the vocabulary, which a server that never warmed anything should not pay) from any thread, and
+    an entry this build cannot read (another library version, a damaged file) is compiled instead."""
+
+    def __init__(self, backend: str, version: Callable[[], str], tokenizer: Any):
+        self.backend = backend
+        self._version = version  # called once, when the store is opened
+        self._tokenizer = tokenizer
+        self._store: GrammarStore | None = None
+        self._lock = threading.Lock()  # compiles run on the grammar service's worker thread
+
+    @property
+    def store(self) -> GrammarStore:
+        with self._lock:
+            if self._store is None:
+                self._store = GrammarStore(self.backend, self._version(), self._tokenizer)
+            return self._store
+
+    def has(self, constraint: Any) -> bool:
+        return self.store.has(constraint)
+
+    def save(self, constraint: Any, data: bytes) -> Path:
+        return self.store.save(constraint, data)
+
+    def load(self, constraint: Any, decode: Callable[[bytes], T]) -> T | None:
+        """`decode` of what fw warm-cache kept for `constraint`, or None (nothing kept, or unreadable)."""
+        if not store_in_use(self.backend):  # nothing was ever warmed: skip hashing the vocabulary
+            return None
+        data = self.store.load(constraint)
+        if not data:
+            return None
+        try:
+            return decode(data)
+        except Exception as exc:  # noqa: BLE001 - any failure to read it back means: compile instead
+            logger.warning("%s: ignoring the kept compiled form of %s (%s); compiling it", self.backend,
+                           constraint.describe(), exc)
+            return None
 
 
 def size_text(n: int) -> str:
