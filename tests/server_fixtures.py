@@ -2,7 +2,9 @@
 on /health, stopped with SIGTERM (its exit code checked), with its stdout and log kept in files so
 a failing test can show what the server said.
 
-Also small helpers every server test needs: an OpenAI error-body check and a /metrics reader."""
+Also small helpers every server test needs: an OpenAI error-body check, a /metrics reader, and the
+`client` / `model` fixtures (an OpenAI SDK client for the module's `server` fixture, and the model it
+serves) that a test module imports next to its own `server`."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import pytest
 
 HOST = "127.0.0.1"
 # The bundled model (no --model); the default 1 GiB of KV cache is wasteful here. fp32, because the tests
@@ -182,3 +185,17 @@ def wait_for(condition, timeout: float, interval: float = 0.05, message: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"{message} not reached within {timeout} s")
         time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The OpenAI SDK on the module's `server`; no retries, so a failure shows as itself."""
+    import openai
+
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=120, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id

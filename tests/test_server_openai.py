@@ -14,9 +14,8 @@ import subprocess
 import time
 
 import httpx
-import openai
 import pytest
-from server_fixtures import SMOLLM2_ARGS, metric, running_server, wait_for
+from server_fixtures import SMOLLM2_ARGS, client, metric, model, running_server, wait_for  # noqa: F401 (fixtures)
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -25,17 +24,6 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 def server(tmp_path_factory):
     with running_server(SMOLLM2_ARGS, tmp_path_factory.mktemp("smollm2")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=120, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def greedy_chat(client, model, messages=CAPITAL, **kw):

@@ -13,7 +13,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from server_fixtures import assert_error_body, running_server
+from server_fixtures import assert_error_body, client, model, running_server  # noqa: F401 (fixtures)
 from structured_cases import CHOICES, REGEX, SCHEMAS, prompt_for
 
 pytestmark = pytest.mark.slow
@@ -24,17 +24,6 @@ def server(tmp_path_factory):
     args = ("--kv-cache-memory", "512MiB", "--dtype", "bfloat16", "--max-batch-size", "128")
     with running_server(args, tmp_path_factory.mktemp("structured")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=120, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def json_schema_format(name: str) -> dict:

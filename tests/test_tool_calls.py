@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
-from server_fixtures import assert_error_body, running_server
+from server_fixtures import assert_error_body, client, model, running_server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +42,6 @@ def server(tmp_path_factory):
             "--no-enable-prefix-caching")
     with running_server(args, tmp_path_factory.mktemp("tools")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=120, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def check_calls(calls) -> list[tuple[str, str]]:
