@@ -8,7 +8,11 @@ interleaved order of the values inside one int32."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+from fw.errors import ModelLoadError
 
 # AWQ's GEMM kernels pack output columns c*8 + [0, 2, 4, 6, 1, 3, 5, 7] into nibbles 0..7 of
 # int32 column c; nibble AWQ_REVERSE_ORDER[j] therefore holds column c*8 + j.
@@ -88,14 +92,35 @@ def checkpoint_module_names(prefix: str) -> list[str]:
     return names
 
 
+def skipped_in_checkpoint(prefix: str, listed: Callable[[str], bool]) -> bool:
+    """Whether a checkpoint's list of unquantized modules (`listed(module name)`) covers fw layer
+    `prefix`, judged on the checkpoint names it stands for: a fused layer (`...qkv_proj`) is left
+    unquantized when every projection it fuses is listed. Some listed and some not cannot be one fw
+    layer (part of its weight would be float, part quantized): a ModelLoadError that says so."""
+    names = checkpoint_module_names(prefix)
+    fused = names[1:]
+    if listed(prefix) or (fused and all(listed(n) for n in fused)):
+        return True
+    kept = [n.rsplit(".", 1)[-1] for n in fused if listed(n)]
+    if kept:
+        quantized = [n.rsplit(".", 1)[-1] for n in fused if not listed(n)]
+        raise ModelLoadError(
+            f"{prefix}: the checkpoint leaves {', '.join(kept)} unquantized but quantizes {', '.join(quantized)}; "
+            f"fw runs them as one fused layer, so they must be quantized alike (list all of them among the "
+            f"unquantized modules, or none)")
+    return False
+
+
+def is_lm_head(name: str) -> bool:
+    return name == "lm_head" or name.endswith(".lm_head")
+
+
 def left_unquantized(prefix: str, quant_config: dict, lm_head_quantized: bool = False) -> bool:
     """Whether the checkpoint keeps layer `prefix` in float: the LM head unless the config says it is
     quantized (GPTQModel's `lm_head`), and modules listed in `modules_to_not_convert`."""
-    names = checkpoint_module_names(prefix)
-    if not lm_head_quantized and any(n == "lm_head" or n.endswith(".lm_head") for n in names):
-        return True
-    skip = quant_config.get("modules_to_not_convert") or []
-    return any(s and s in n for s in skip for n in names)  # transformers' rule: a substring of the name
+    skip = [s for s in quant_config.get("modules_to_not_convert") or [] if s]
+    return skipped_in_checkpoint(prefix, lambda name: (not lm_head_quantized and is_lm_head(name))
+                                 or any(s in name for s in skip))  # transformers' rule: a substring
 
 
 # Up to this many rows (decode steps), a matmul over contiguous groups runs group by group on the integer

@@ -35,6 +35,7 @@ from fw.errors import ModelLoadError, UnsupportedConfigurationError
 from fw.layers import Linear
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
 from fw.plugins import QuantizationMethodSpec, hookimpl
+from fw.quantizers._packing import skipped_in_checkpoint
 
 FW_PLUGIN_API_VERSION = "1.0"
 
@@ -86,8 +87,8 @@ class BitsAndBytesMethod:
         self._quantized = Int8LinearMethod(settings) if settings.mode == "8bit" else FourBitLinearMethod(settings)
 
     def method_for(self, prefix: str) -> LinearMethod:
-        names = prefix.split(".")
-        if any(skip in names or prefix.endswith(skip) for skip in self.settings.skip_modules):
+        skips = self.settings.skip_modules
+        if skipped_in_checkpoint(prefix, lambda name: any(s in name.split(".") or name.endswith(s) for s in skips)):
             return UnquantizedLinearMethod()
         return self._quantized
 

@@ -30,6 +30,7 @@ from fw.errors import UnsupportedConfigurationError
 from fw.layers import Linear
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
 from fw.plugins import QuantizationMethodSpec, hookimpl
+from fw.quantizers._packing import is_lm_head, skipped_in_checkpoint
 
 FW_PLUGIN_API_VERSION = "1.0"
 
@@ -96,7 +97,7 @@ class Fp8LinearMethod(LinearMethod):
     # -- which layers -----------------------------------------------------------------------------
 
     def method_for(self, prefix: str) -> LinearMethod:
-        if prefix == "lm_head" or prefix.endswith(".lm_head") or any(_matches(p, prefix) for p in self.ignore):
+        if skipped_in_checkpoint(prefix, lambda name: is_lm_head(name) or any(_matches(p, name) for p in self.ignore)):
             return UnquantizedLinearMethod()
         return self
 

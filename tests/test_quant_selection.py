@@ -155,3 +155,51 @@ def test_moe_checkpoint_with_quantized_attention_and_float_experts_matches_trans
     assert isinstance(attn.qkv_proj.method, GPTQLinearMethod) and isinstance(attn.o_proj.method, GPTQLinearMethod)
     hf = tiny_moe.load_hf(tiny_moe.MIXTRAL, mixtral)
     qc.check_generation(llm, qc.dequantized_model(hf, weights), tokenizer)
+
+
+# -- a checkpoint's unquantized-module lists name its projections, fw fuses them ---------------------
+
+QKV = "model.layers.0.self_attn.qkv_proj"
+ATTN = "model.layers.0.self_attn."
+
+
+def _fp8(ignored):
+    from fw.quantizers.fp8 import make_method
+
+    return make_method({"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignored})
+
+
+def _bnb(skipped):
+    from fw.quantizers.bitsandbytes import make_factory
+
+    return make_factory("bitsandbytes-8bit")({"quant_method": "bitsandbytes", "load_in_8bit": True,
+                                              "llm_int8_skip_modules": skipped})
+
+
+def _gptq(not_converted):
+    from fw.quantizers.gptq import GPTQLinearMethod
+
+    return GPTQLinearMethod({"quant_method": "gptq", "bits": 4, "group_size": 32,
+                             "modules_to_not_convert": not_converted})
+
+
+@pytest.mark.parametrize("method, skip_all, skip_some", [
+    (_fp8, [ATTN + "q_proj", ATTN + "k_proj", ATTN + "v_proj"], [ATTN + "q_proj"]),
+    (_fp8, ["re:model\\.layers\\.0\\.self_attn\\.[qkv]_proj"], ["re:.*\\.0\\.self_attn\\.[qk]_proj"]),
+    (_bnb, [ATTN + "q_proj", ATTN + "k_proj", ATTN + "v_proj"], ["0.self_attn.v_proj"]),
+    (_gptq, [ATTN + "q_proj", ATTN + "k_proj", ATTN + "v_proj"], [ATTN + "k_proj"]),
+])
+def test_a_fused_layer_is_unquantized_when_every_projection_it_fuses_is_listed(method, skip_all, skip_some):
+    """Lists name the checkpoint's q/k/v_proj; fw's layer is the fused qkv_proj. All of them listed: the
+    fused layer stays float. Some: it cannot be one layer, and the error names which are which."""
+    from fw.errors import ModelLoadError
+    from fw.layers.linear import UnquantizedLinearMethod
+
+    all_listed = method(skip_all)
+    assert isinstance(all_listed.method_for(QKV), UnquantizedLinearMethod)
+    assert not isinstance(all_listed.method_for("model.layers.1.self_attn.qkv_proj"), UnquantizedLinearMethod)
+    assert not isinstance(all_listed.method_for("model.layers.0.mlp.gate_up_proj"), UnquantizedLinearMethod)
+    assert isinstance(all_listed.method_for("lm_head"), UnquantizedLinearMethod)
+    with pytest.raises(ModelLoadError, match=r"qkv_proj: the checkpoint leaves .*unquantized but quantizes .*"
+                                             r"fused layer"):
+        method(skip_some).method_for(QKV)
