@@ -14,7 +14,7 @@ How the weights get in depends on the method:
 
 Checks per case (a plain layer, a fused q/k/v-style layer loaded shard by shard, a biased one):
 the output equals x @ W_ref^T + b within the tolerance for decode-sized and prefill-sized
-inputs, and the reported `weight_bytes` is below the same weight in fp16."""
+inputs, and the reported `weight_bytes` is what the layer holds, below the same weight in fp16."""
 
 from __future__ import annotations
 
@@ -195,10 +195,18 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
         if not 0 < held < dense:
             raise AssertionError(f"{case.id}: weight_bytes reports {held} bytes; the same weight in fp16 is {dense} "
                                  f"bytes, and a quantized one must be smaller (and more than 0)")
+        tensors = {name: t for name, t in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]
+                   if name != "bias" and t is not None}
+        actual = sum(t.numel() * t.element_size() for t in tensors.values())
+        if held != actual:
+            listing = ", ".join(f"{n} {t.numel() * t.element_size()}" for n, t in sorted(tensors.items()))
+            raise AssertionError(f"{case.id}: weight_bytes reports {held} bytes, but the layer holds {actual} bytes "
+                                 f"of weight tensors ({listing}); report what the layer keeps in memory")
 
     bytes_cases = [c for c in cases if c.data["dtype"] == dtypes[0]][:2]
     return [
         SuiteTest("test_apply_matches_reference", apply, cases,
                   "The layer's output equals x @ W^T + b with the reference weight, within the method's tolerance."),
-        SuiteTest("test_weight_bytes", weight_bytes, bytes_cases, "Reported weight bytes are below fp16 dense."),
+        SuiteTest("test_weight_bytes", weight_bytes, bytes_cases,
+                  "Reported weight bytes are what the layer holds, and below fp16 dense."),
     ]
