@@ -17,6 +17,10 @@ from fw.testing import SUITE_KINDS, conformance_suite
 
 pytest_plugins = ("pytester",)
 
+# The suites run many configurations of a compiled backend in one process (flex: 15 here): none may
+# fall back to torch's unfused FlexAttention (it did once dynamo's shared recompile limit ran out).
+pytestmark = pytest.mark.filterwarnings("error:flex_attention called without torch.compile:UserWarning")
+
 # Suite options for CI time only: outlines-core compiles the generic JSON-object regex in tens of
 # seconds on this machine; tests/test_grammar_outlines.py covers json_object.
 CI_OPTIONS = {("grammar_backend", "outlines"): dict(constraint_kinds=("json_schema", "regex", "choice"))}

@@ -14,9 +14,9 @@ cap * tanh(s / cap) on the scaled score, as in `sdpa` (whose docstring defines w
 
 Compilation: FlexAttention without torch.compile runs an unfused reference that materialises scores
 over every slot of the cache, so the backend always calls `torch.compile(flex_attention,
-dynamic=True)`, compiled once per process and reused (dynamo guards on the mask's code, not on the
-per-step tensors it captures). It compiles again per dtype, head layout, page size, cache size and
-score_mod, not per batch. Three details work around torch 2.13's CPU (inductor C++) template, which
+dynamic=True)`, compiled once per configuration (dtype, head layout, page size, cache size,
+soft-cap) and process, and reused (dynamo guards on the mask's code, not on the per-step tensors it
+captures): not per batch. Three details work around torch 2.13's CPU (inductor C++) template, which
 otherwise generated C++ that did not compile:
 
 - duck sizing is off during the call: with it, which sizes of a step happened to be equal (the
@@ -47,24 +47,28 @@ FW_PLUGIN_API_VERSION = "1.1"  # priority_by_device
 Q_BLOCK = 16  # query rows per block-mask block (the triton kernel's smallest tile on CUDA)
 _NO_WINDOW = 1 << 30  # a window wider than any context: one mask_mod for layers with and without one
 
-_compiled: Callable[..., torch.Tensor] | None = None
+_compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
 
 
-def compiled_flex_attention() -> Callable[..., torch.Tensor]:
-    """flex_attention under torch.compile, built once per process (each call with new shapes reuses it)."""
-    global _compiled
-    if _compiled is None:
+def compiled_flex_attention(key: tuple) -> Callable[..., torch.Tensor]:
+    """flex_attention under torch.compile, one wrapper per configuration `key` (device, dtypes, head
+    layout, page and cache size, soft-cap or not), reused by every later call with that key.
+
+    One wrapper per key, each with its recompile budget of its own (`isolate_recompiles`): with a
+    single shared one, a process running several configurations (a test suite, two engines) used up
+    dynamo's recompile limit of 8 and fell back to the unfused path without saying so."""
+    if key not in _compiled:
         import torch.fx.experimental._config as fx_config
         from torch.nn.attention.flex_attention import flex_attention
 
-        compiled = torch.compile(flex_attention, dynamic=True)
+        compiled = torch.compile(flex_attention, dynamic=True, isolate_recompiles=True)
 
         def call(*args: Any, **kwargs: Any) -> torch.Tensor:
             with fx_config.patch(use_duck_shape=False):
                 return compiled(*args, **kwargs)
 
-        _compiled = call
-    return _compiled
+        _compiled[key] = call
+    return _compiled[key]
 
 
 def _unavailable() -> str | None:
@@ -143,7 +147,9 @@ class FlexBackend(AttentionBackend):
         keys, values = k_cache.view(1, hkv, slots, d), v_cache.view(1, hkv, slots, d)
         for t, dim in ((keys, 2), (values, 2), (step.slot_pos, 1)):
             torch._dynamo.mark_static(t, dim)
-        out = compiled_flex_attention()(
+        key = (q.device.type, q.dtype, k_cache.dtype, self.num_heads, hkv, d, page, slots,
+               self.logit_softcap is not None)
+        out = compiled_flex_attention(key)(
             query.transpose(0, 1).unsqueeze(0), keys, values,
             score_mod=_softcap_mod(self.logit_softcap, q.device) if self.logit_softcap else None,
             block_mask=block_mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
