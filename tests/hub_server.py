@@ -224,9 +224,12 @@ class HubServer:
                 if body:
                     self.wfile.write(data[start:end])
 
-            def _json(self, payload, repo: HubRepo | None = None) -> None:
+            def _json(self, payload, repo: HubRepo | None = None, status: int = 200,
+                      headers: dict[str, str] | None = None) -> None:
                 data = json.dumps(payload).encode()
-                self.send_response(200)
+                self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 if repo is not None:
                     self.send_header("X-Repo-Commit", repo.commit)
                 self.send_header("Content-Type", "application/json")
@@ -236,17 +239,7 @@ class HubServer:
                     self.wfile.write(data)
 
             def _error(self, status: int, code: str | None, message: str, repo: HubRepo | None = None) -> None:
-                data = json.dumps({"error": message}).encode()
-                self.send_response(status)
-                if code:
-                    self.send_header("X-Error-Code", code)
-                    self.send_header("X-Error-Message", message)
-                if repo is not None:
-                    self.send_header("X-Repo-Commit", repo.commit)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
+                headers = {"X-Error-Code": code, "X-Error-Message": message} if code else None
+                self._json({"error": message}, repo, status, headers)
 
         return Handler

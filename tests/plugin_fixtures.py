@@ -229,3 +229,20 @@ def builtin_manager(*roots: Path, **kwargs):
     from fw.plugins.manager import PluginManager
 
     return PluginManager(entry_points=fw_entry_points(*roots), **kwargs).load()
+
+
+# -- attention-backend registries for selection tests ------------------------------------------------
+
+
+class NoBackend:
+    """A backend class for specs that are only selected, never run."""
+
+
+def attention_registry(*specs):
+    """A registry holding `specs`, each registered by a distribution named after it."""
+    from fw.plugins.registry import Registry
+
+    registry = Registry("attention_backend")
+    for spec in specs:
+        registry.add(spec, spec.name, f"dist-{spec.name}")
+    return registry

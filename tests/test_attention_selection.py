@@ -16,25 +16,13 @@ from fw.backends.attention import flash_attn
 from fw.backends.attention.sdpa import SdpaBackend
 from fw.errors import UnsupportedConfigurationError
 from fw.plugins import AttentionBackendSpec, AttentionRequirements
-from fw.plugins.registry import Registry
 from fw.plugins.selection import select_attention_backend
-from plugin_fixtures import builtin_manager
+from plugin_fixtures import NoBackend, attention_registry, builtin_manager
 
 pytestmark = pytest.mark.usefixtures("isolated_plugins")
 
 CPU = AttentionRequirements(device="cpu", dtype="float32", head_size=64, page_size=16)
 CUDA = AttentionRequirements(device="cuda", dtype="bfloat16", head_size=64, page_size=16)
-
-
-class _Backend:
-    pass
-
-
-def _registry(*specs: AttentionBackendSpec) -> Registry:
-    registry = Registry("attention_backend")
-    for spec in specs:
-        registry.add(spec, spec.name, f"dist-{spec.name}")
-    return registry
 
 
 def _builtin_specs() -> dict[str, AttentionBackendSpec]:
@@ -46,7 +34,7 @@ def _auto_order(specs, req: AttentionRequirements) -> list[str]:
     specs, order = list(specs), []
     while specs:
         try:
-            chosen = select_attention_backend(_registry(*specs), req).chosen.name
+            chosen = select_attention_backend(attention_registry(*specs), req).chosen.name
         except UnsupportedConfigurationError:
             break
         order.append(chosen)
@@ -59,11 +47,11 @@ def _auto_order(specs, req: AttentionRequirements) -> list[str]:
 
 def test_auto_skips_a_rejecting_high_priority_backend_and_records_why():
     sdpa = _builtin_specs()["sdpa"]
-    registry = _registry(
+    registry = attention_registry(
         sdpa,
-        AttentionBackendSpec("fast_but_missing", _Backend, priority=1000, priority_by_device={"cpu": 1000},
+        AttentionBackendSpec("fast_but_missing", NoBackend, priority=1000, priority_by_device={"cpu": 1000},
                              supports_sliding_window=True, available=lambda: "package fastattn is not installed"),
-        AttentionBackendSpec("fast_no_window", _Backend, priority=900),
+        AttentionBackendSpec("fast_no_window", NoBackend, priority=900),
     )
     windowed = dataclasses.replace(CPU, sliding_window=128)
     selection = select_attention_backend(registry, windowed)
@@ -79,9 +67,9 @@ def test_auto_skips_a_rejecting_high_priority_backend_and_records_why():
 
 def test_priority_by_device_overrides_priority_only_on_listed_devices():
     devices = ("cpu", "cuda", "xpu")
-    spec = AttentionBackendSpec("x", _Backend, devices=devices, priority=3, priority_by_device={"cuda": 50, "cpu": -5})
+    spec = AttentionBackendSpec("x", NoBackend, devices=devices, priority=3, priority_by_device={"cuda": 50, "cpu": -5})
     assert (spec.priority_on("cuda"), spec.priority_on("cpu"), spec.priority_on("xpu")) == (50, -5, 3)
-    plain = AttentionBackendSpec("y", _Backend, devices=devices, priority=7)
+    plain = AttentionBackendSpec("y", NoBackend, devices=devices, priority=7)
     assert plain.priority_on("cuda") == plain.priority_on("cpu") == 7  # specs without it: as before
     assert spec.summary()["priority_by_device"] == {"cuda": 50, "cpu": -5}
     assert "priority_by_device" not in plain.summary()
@@ -115,11 +103,11 @@ def test_builtin_priorities_on_cuda():
 def test_auto_on_cuda_skips_flash_attn_when_its_package_does_not_load():
     specs = {s.name: dataclasses.replace(s, available=None) for s in _builtin_specs().values()}
     specs["flash-attn"] = dataclasses.replace(specs["flash-attn"], available=lambda: "flash_attn does not load")
-    selection = select_attention_backend(_registry(*specs.values()), CUDA)
+    selection = select_attention_backend(attention_registry(*specs.values()), CUDA)
     assert selection.chosen.name != "flash-attn"
     assert selection.rejected["flash-attn"] == ["flash_attn does not load"]
     # and fp32 (which FlashAttention does not run) rules it out by its declared dtypes
-    fp32 = select_attention_backend(_registry(*specs.values()), dataclasses.replace(CUDA, dtype="float32"))
+    fp32 = select_attention_backend(attention_registry(*specs.values()), dataclasses.replace(CUDA, dtype="float32"))
     assert "dtype float32 not supported" in fp32.rejected["flash-attn"][0]
 
 

@@ -14,9 +14,8 @@ import plugin_fixtures as pf
 from fw.errors import ConfigError, UnknownImplementationError, UnsupportedConfigurationError
 from fw.plugins import AttentionBackendSpec, AttentionRequirements
 from fw.plugins.manager import reset_plugin_manager
-from fw.plugins.registry import Registry
 from fw.plugins.selection import select_attention_backend
-from plugin_fixtures import builtin_manager, greedy, small_llm
+from plugin_fixtures import NoBackend, attention_registry, builtin_manager, greedy, small_llm
 
 pytestmark = pytest.mark.usefixtures("isolated_plugins")
 
@@ -138,27 +137,16 @@ def test_bad_custom_architectures(tmp_path):
 # -- attention backend selection ------------------------------------------------------------------
 
 
-class _Backend:
-    pass
-
-
-def _registry(*specs: AttentionBackendSpec) -> Registry:
-    registry = Registry("attention_backend")
-    for spec in specs:
-        registry.add(spec, spec.name, f"dist-{spec.name}")
-    return registry
-
-
 CPU_FP32 = AttentionRequirements(device="cpu", dtype="float32", head_size=64, page_size=16)
 
 
 def test_auto_picks_the_highest_priority_usable_backend():
-    registry = _registry(
-        AttentionBackendSpec("reference", _Backend, priority=0),
-        AttentionBackendSpec("fast", _Backend, priority=10),
-        AttentionBackendSpec("gpu_only", _Backend, devices=("cuda",), priority=100),
-        AttentionBackendSpec("missing_pkg", _Backend, priority=50, available=lambda: "package foo is not installed"),
-        AttentionBackendSpec("bf16_only", _Backend, dtypes=("bfloat16",), priority=40),
+    registry = attention_registry(
+        AttentionBackendSpec("reference", NoBackend, priority=0),
+        AttentionBackendSpec("fast", NoBackend, priority=10),
+        AttentionBackendSpec("gpu_only", NoBackend, devices=("cuda",), priority=100),
+        AttentionBackendSpec("missing_pkg", NoBackend, priority=50, available=lambda: "package foo is not installed"),
+        AttentionBackendSpec("bf16_only", NoBackend, dtypes=("bfloat16",), priority=40),
     )
     selection = select_attention_backend(registry, CPU_FP32)
     assert selection.chosen.name == "fast" and not selection.explicit
@@ -170,10 +158,10 @@ def test_auto_picks_the_highest_priority_usable_backend():
 
 
 def test_explicit_backend_that_cannot_run_lists_reasons_and_alternatives():
-    registry = _registry(
-        AttentionBackendSpec("reference", _Backend),
-        AttentionBackendSpec("fast", _Backend, priority=10),
-        AttentionBackendSpec("gpu_only", _Backend, devices=("cuda",), head_sizes=(128,)),
+    registry = attention_registry(
+        AttentionBackendSpec("reference", NoBackend),
+        AttentionBackendSpec("fast", NoBackend, priority=10),
+        AttentionBackendSpec("gpu_only", NoBackend, devices=("cuda",), head_sizes=(128,)),
     )
     with pytest.raises(UnsupportedConfigurationError) as err:
         select_attention_backend(registry, CPU_FP32, "gpu_only")
@@ -185,7 +173,7 @@ def test_explicit_backend_that_cannot_run_lists_reasons_and_alternatives():
     with pytest.raises(UnknownImplementationError, match="registered: fast, gpu_only, reference"):
         select_attention_backend(registry, CPU_FP32, "nonexistent")
     with pytest.raises(UnsupportedConfigurationError, match="no attention backend can run.*gpu_only: device"):
-        select_attention_backend(_registry(AttentionBackendSpec("gpu_only", _Backend, devices=("cuda",))), CPU_FP32)
+        select_attention_backend(attention_registry(AttentionBackendSpec("gpu_only", NoBackend, devices=("cuda",))), CPU_FP32)
 
 
 def test_backend_selection_through_the_engine(root, llama_dir):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fw.testing.suite import SUITE_KINDS, conformance_suite
 
-__all__ = ["SUITE_KINDS", "conformance_suite", "FakeSequence"]
+__all__ = ["SUITE_KINDS", "conformance_suite", "FakeSequence", "sampler_pipeline"]
 
 
 def __getattr__(name: str):
@@ -25,4 +25,8 @@ def __getattr__(name: str):
         from fw.testing.sequences import FakeSequence
 
         return FakeSequence
+    if name == "sampler_pipeline":
+        from fw.testing.pipeline import sampler_pipeline
+
+        return sampler_pipeline
     raise AttributeError(name)

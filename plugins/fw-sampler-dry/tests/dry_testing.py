@@ -4,7 +4,6 @@ sequences with given token histories, and a toy tokenizer with a vocabulary writ
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import sys
 from pathlib import Path
 
@@ -20,17 +19,12 @@ except ImportError:
 from fw.sampling.batch import SamplingBatch  # noqa: E402
 from fw.sampling.params import SamplingParams  # noqa: E402
 from fw.testing import FakeSequence as FakeSeq  # noqa: E402
+from fw.testing import sampler_pipeline as fw_sampler_pipeline  # noqa: E402
 
 
 def sampler_pipeline():
     """fw's SamplerPipeline over the built-in samplers and this plugin, loaded as entry points."""
-    from fw.plugins.manager import PluginManager
-    from fw.sampling.pipeline import SamplerPipeline
-
-    eps = [ep for ep in md.distribution("fw").entry_points if ep.group == "fw" and ep.name == "samplers"]
-    eps.append(md.EntryPoint(name="dry", value="fw_sampler_dry.plugin", group="fw"))
-    manager = PluginManager(entry_points=eps, allow={"samplers", "dry"}, block=(), strict=True).load()
-    return SamplerPipeline(manager.registry("sampler"), "default")
+    return fw_sampler_pipeline("dry", "fw_sampler_dry.plugin")
 
 
 def batch_of(rows: list[tuple[SamplingParams, list[int]]], vocab: int) -> SamplingBatch:

@@ -4,7 +4,6 @@ and sequences with the per-row seeded generators the engine gives seeded request
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import math
 import sys
 from pathlib import Path
@@ -20,18 +19,13 @@ except ImportError:
 
 from fw.sampling.batch import SamplingBatch  # noqa: E402
 from fw.sampling.params import SamplingParams  # noqa: E402
+from fw.testing import sampler_pipeline as fw_sampler_pipeline  # noqa: E402
 from fw.testing import FakeSequence  # noqa: E402
 
 
 def sampler_pipeline():
     """fw's SamplerPipeline over the built-in samplers and this plugin, loaded as entry points."""
-    from fw.plugins.manager import PluginManager
-    from fw.sampling.pipeline import SamplerPipeline
-
-    eps = [ep for ep in md.distribution("fw").entry_points if ep.group == "fw" and ep.name == "samplers"]
-    eps.append(md.EntryPoint(name="xtc", value="fw_sampler_xtc.plugin", group="fw"))
-    manager = PluginManager(entry_points=eps, allow={"samplers", "xtc"}, block=(), strict=True).load()
-    return SamplerPipeline(manager.registry("sampler"), "default")
+    return fw_sampler_pipeline("xtc", "fw_sampler_xtc.plugin")
 
 
 class FakeSeq(FakeSequence):
