@@ -143,6 +143,7 @@ class GemmaForCausalLM(CausalLM):
         logits = super().compute_logits(hidden)
         if self.final_softcap:  # in the model dtype, as transformers does
             cap = self.final_softcap
+            logits = logits.to(hidden.dtype)
             logits = torch.tanh(logits / cap) * cap
         return logits
 

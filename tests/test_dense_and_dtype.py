@@ -1,5 +1,6 @@
-"""The CPU fast path's two choices: oneDNN-packed dense weights (fw.layers.dense) and `--dtype auto`
-(bf16 where the CPU has it natively, fp32 otherwise)."""
+"""The CPU fast path's two choices: packed dense weights (fw.layers.dense: fw's blocked bf16 layout on
+AVX512-BF16 CPUs, oneDNN's otherwise) and `--dtype auto` (bf16 where the CPU has it natively, fp32
+otherwise)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,18 @@ import torch.nn.functional as F
 
 from fw import LLM
 from fw.layers import Linear, dense_linear, pack_dense_weight
+from fw.layers import dense
 from fw.layers.dense import cpu_packing_available
 from fw.model_loader import hardware, loader
 from fw.model_loader.source import ModelSource
 
 needs_packing = pytest.mark.skipif(not cpu_packing_available(), reason="torch built without oneDNN")
+needs_bf16_kernel = pytest.mark.skipif(not dense.bf16_kernel_ready(), reason="no AVX512-BF16 (or no compiler)")
 
 
-@needs_packing
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_packed_linear_equals_f_linear(dtype):
-    torch.manual_seed(0)
-    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
-    packed = pack_dense_weight(weight, "cpu")
-    assert packed.is_mkldnn and not weight.is_mkldnn
-    x = torch.randn(2, 5, 128, dtype=dtype)[..., ::2]  # 3-D and not contiguous
+def check_packed_matches_f_linear(weight: torch.Tensor, bias: torch.Tensor, packed: torch.Tensor) -> None:
+    dtype, k = weight.dtype, weight.shape[1]
+    x = torch.randn(2, 5, 2 * k, dtype=dtype)[..., ::2]  # 3-D and not contiguous
     # bf16: outputs are ~8 in size (64 unit products), where one bf16 step is 0.03-0.06
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.07, "rtol": 1.6e-2}
     for args in ((x, None), (x, bias), (x[0, :1], None), (x[:, :0], bias)):
@@ -32,6 +30,53 @@ def test_packed_linear_equals_f_linear(dtype):
         torch.testing.assert_close(got, want, **tol)
     with pytest.raises(TypeError, match="dtype"):
         dense_linear(x.float() if dtype == torch.bfloat16 else x.bfloat16(), packed)
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_onednn_packed_linear_equals_f_linear(dtype, monkeypatch):
+    monkeypatch.setenv("FW_CPU_WEIGHT_PACKING", "onednn")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
+    packed = pack_dense_weight(weight, "cpu")
+    assert packed.is_mkldnn and not weight.is_mkldnn
+    check_packed_matches_f_linear(weight, bias, packed)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 130), (88, 64), (1, 2), (49, 576)])
+def test_blocked_bf16_linear_equals_f_linear(n, k):
+    """Column counts off the 48-column blocks, input pairs across the 96-pair chunks, one output."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    packed = pack_dense_weight(weight, "cpu")
+    assert dense.is_blocked_bf16(packed) and packed.shape == (n, k // 2, 2)
+    check_packed_matches_f_linear(weight, bias, packed)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 65, 600])
+def test_blocked_bf16_rows_equal_fp32_sums_rounded(rows):
+    """Every row count the kernel splits differently (tiles of 8, buffers of 64, regions of 512): the
+    output is the fp32 sum rounded to bf16, up to the order of the fp32 sums (at most one bf16 step)."""
+    torch.manual_seed(rows)
+    n, k = 150, 448  # 4 blocks (the last partial), 224 pairs (3 chunks, the last partial)
+    weight, x, bias = (torch.randn(n, k, dtype=torch.bfloat16), torch.randn(rows, k, dtype=torch.bfloat16),
+                       torch.randn(n, dtype=torch.bfloat16))
+    got = dense_linear(x, pack_dense_weight(weight, "cpu"), bias).float()
+    exact = x.float() @ weight.float().t() + bias.float()
+    step = exact.abs().clamp_min(1e-3) * 2.0 ** -7  # one bf16 step at each output's magnitude
+    assert ((got - exact).abs() <= step).all()
+    assert (got == exact.bfloat16().float()).float().mean() > 0.97  # mostly the same rounding
+
+
+def test_odd_input_size_stays_on_onednn():
+    """The blocked layout pairs inputs; an odd input size keeps oneDNN's (or the plain) weight."""
+    weight = torch.randn(8, 5, dtype=torch.bfloat16)
+    packed = pack_dense_weight(weight, "cpu")
+    assert not dense.is_blocked_bf16(packed)
+    x = torch.randn(3, 5, dtype=torch.bfloat16)
+    torch.testing.assert_close(dense_linear(x, packed), F.linear(x, weight), atol=0.07, rtol=1.6e-2)
 
 
 def test_packing_applies_only_where_it_helps(monkeypatch):
@@ -49,7 +94,9 @@ def test_loaded_model_runs_on_packed_weights(gqa_dir):
     llm = LLM(str(gqa_dir), dtype="bfloat16", num_kv_blocks=16)
     model = llm.engine.loaded.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight.is_mkldnn for m in linears)
+    packed = dense.is_blocked_bf16 if dense.bf16_kernel_ready() else (lambda w: w.is_mkldnn)
+    assert linears and all(packed(m.weight) for m in linears)
+    assert model.tied_head is None or packed(model.tied_head)
 
 
 def test_cpu_flags_are_read_from_cpuinfo():

@@ -1,6 +1,6 @@
 """bf16 parity on the real model, with vLLM's criterion for models whose numerics differ slightly.
 
-fw (32 prompts in one batch, packed oneDNN matmuls) and transformers (one prompt at a time) both run
+fw (32 prompts in one batch, packed bf16 matmuls, fp32 logits) and transformers (one prompt at a time) both run
 SmolLM2-135M-Instruct in bf16. Each greedy output must equal transformers', or first diverge at a step
 where each side's token is among the other's top 5. The number of exact matches is printed (run with -s)
 and recorded in docs/performance.md."""

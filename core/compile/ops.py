@@ -102,21 +102,29 @@ def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer
 
 _lock = threading.Lock()
 _fused_faked = False
+_dense_faked = False
 _packed_ready = False
 
 
 def register_fused_cpu_fakes() -> None:
-    """Fake (shape-only) kernels for fw.layers.cpu_ops, once they are built: each writes into an
-    argument and returns nothing, so the fake does nothing."""
-    global _fused_faked
-    from fw.layers import cpu_ops
+    """Fake (shape-only) kernels for fw.layers.cpu_ops and fw.layers.dense's bf16 matmul, once they are
+    built: each cpu_ops op writes into an argument and returns nothing, so its fake does nothing."""
+    global _fused_faked, _dense_faked
+    from fw.layers import cpu_ops, dense
 
     with _lock:
-        if _fused_faked or not cpu_ops.ready():
-            return
-        for name in _FUSED_CPU_OPS:
-            torch.library.register_fake(f"fw_cpu_ops::{name}")(_no_output)
-        _fused_faked = True
+        if not _fused_faked and cpu_ops.ready():
+            for name in _FUSED_CPU_OPS:
+                torch.library.register_fake(f"fw_cpu_ops::{name}")(_no_output)
+            _fused_faked = True
+        if not _dense_faked and dense.bf16_kernel_ready():
+            torch.library.register_fake("fw_dense::linear_bf16")(_dense_bf16_fake)
+            _dense_faked = True
+
+
+def _dense_bf16_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     fp32_out: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
 
 
 def _no_output(*args: Any, **kwargs: Any) -> None:

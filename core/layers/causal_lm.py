@@ -15,8 +15,8 @@ from torch import nn
 
 from fw.layers.blocks import FUSED_PROJECTIONS
 from fw.layers.context import ModelContext
-from fw.layers.dense import dense_linear, pack_dense_weight
-from fw.layers.linear import Linear
+from fw.layers.dense import dense_logits, pack_dense_weight
+from fw.layers.linear import Linear, UnquantizedLinearMethod
 from fw.layers.weights import load_named_weights
 
 
@@ -41,16 +41,21 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from a dense head (unrounded where fw's bf16 kernel runs it); a quantized head's
+        in its own dtype."""
         if self.tie:
             head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
-            return dense_linear(hidden, head)
+            return dense_logits(hidden, head)
+        if type(self.lm_head.method) is UnquantizedLinearMethod:
+            return dense_logits(hidden, self.lm_head.weight, self.lm_head.bias)
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = self.load_checkpoint(weights, self.skip_weights + (("lm_head.",) if self.tie else ()))
         if self.tie:
-            packed = pack_dense_weight(self.model.embed_tokens.weight.data, self.device)
-            self.tied_head = packed if packed.is_mkldnn else None
+            embedding = self.model.embed_tokens.weight.data
+            packed = pack_dense_weight(embedding, self.device)
+            self.tied_head = packed if packed is not embedding else None
         return loaded
 
     def load_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...]) -> set[str]:

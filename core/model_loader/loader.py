@@ -12,7 +12,7 @@ import torch
 
 from fw.config import EngineConfig
 from fw.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError, UnsupportedConfigurationError
-from fw.layers import cpu_ops
+from fw.layers import cpu_ops, dense
 from fw.layers.context import ModelContext
 from fw.model_loader.attention_needs import check_built_layers, logit_softcap_needed, sliding_window_needed
 from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
@@ -189,6 +189,7 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins, device, gguf is not None)
     lap(startup.RESOLVE)
     cpu_ops.prepare(device)  # fused CPU layer ops, built (or loaded from the cache) before the model
+    dense.prepare(device, dtype)  # and fw's bf16 matmul kernel for a bf16 model
     lap(startup.CPP_OPS)
     ctx = ModelContext(dtype=dtype, device=device, attention_backend=attention.chosen.backend_cls,
                        linear_method=linear_method,

@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from fw import cpp_ops
 from fw.warm.artifact import WarmContext, WarmItem
 
@@ -63,3 +65,16 @@ def core_cpu_ops() -> CppOpsArtifact:
 
     return CppOpsArtifact("cpu_ops", cpu_ops._SOURCE, cpu_ops._CFLAGS, owner="core",
                           applies=lambda context: cpu_target(context) and cpu_ops.wanted())
+
+
+def core_dense_bf16() -> CppOpsArtifact:
+    """fw's bf16 matmul kernel (fw.layers.dense), for a bf16 model on a CPU with AVX512-BF16 (or a model
+    whose dtype is not known yet: its files are not here)."""
+    from fw.layers import dense
+    from fw.warm import resolve
+
+    def applies(context: WarmContext) -> bool:
+        return (cpu_target(context) and dense.bf16_kernel_wanted()
+                and resolve.dtype(context) in (None, torch.bfloat16))
+
+    return CppOpsArtifact("dense_bf16", dense.BF16_SOURCE, dense.BF16_CFLAGS, owner="core", applies=applies)
