@@ -138,7 +138,12 @@ void micro_rows(int rows, const int32_t* a, int64_t lda32, const uint16_t* w, co
 inline void store_row(uint16_t* out, __mmask16 m, __m512 v) {
   _mm256_mask_storeu_epi16(out, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
-inline void store_row(float* out, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(out, m, v); }
+inline void store_row(float* out, __mmask16 m, __m512 v) {
+  // fp32 output is the LM head's logits: 12.6 MB at 64 rows, read once by the sampler later. Full,
+  // aligned vectors bypass the cache (no read for ownership, no eviction of the weights' next chunks).
+  if (m == 0xFFFF && reinterpret_cast<uintptr_t>(out) % 64 == 0) _mm512_stream_ps(out, v);
+  else _mm512_mask_storeu_ps(out, m, v);
+}
 
 // rows [m0, m0 + rows) x block nb of out = sums + bias, rounded to bf16 or kept fp32 (OutT)
 template <typename OutT>
@@ -213,6 +218,7 @@ at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& wp, const c10::
           else write_block(sums.data(), mc, bp, nb, cols, static_cast<uint16_t*>(oa) + m0 * N, N);
         }
       }
+      if (fp32_out) _mm_sfence();  // this thread's streaming stores are done before the region ends
     });
   }
 #endif
