@@ -70,6 +70,41 @@ def test_blocked_bf16_rows_equal_fp32_sums_rounded(rows):
     assert (got == exact.bfloat16().float()).float().mean() > 0.97  # mostly the same rounding
 
 
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows,n", [(1, 4096), (64, 4096), (9, 100)])
+def test_blocked_bf16_logits_are_the_unrounded_fp32_sums(rows, n):
+    """The output layer's fp32 path (streaming stores where whole vectors are aligned, masked ones at a
+    ragged end): the fp32 sums themselves, as close to exact as an fp32 matmul."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(n, 576, dtype=torch.bfloat16), torch.randn(rows, 576, dtype=torch.bfloat16)
+    logits = dense.dense_logits(x, pack_dense_weight(weight, "cpu"))
+    exact = x.double() @ weight.double().t()
+    assert logits.dtype == torch.float32 and logits.shape == (rows, n)
+    fp32_error = ((x.float() @ weight.float().t()).double() - exact).abs().max()
+    assert (logits.double() - exact).abs().max() <= 4 * fp32_error
+    assert not torch.equal(logits, logits.bfloat16().float())  # not rounded to bf16 on the way
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows,inter,k", [(1, 1536, 576), (64, 1536, 576), (9, 50, 64), (600, 30, 32), (3, 7, 2)])
+def test_gate_up_packing_fuses_silu_bit_exactly(rows, inter, k):
+    """A SiLU MLP's [gate; up] weight packed so each block holds matching gate and up columns (blocks of
+    24 + 24, the last one ragged): the fused activation equals cpu_ops.silu_mul of the plain product to
+    the bit, and the plain product through the fused layout equals the blocked one."""
+    from fw.layers import cpu_ops
+
+    assert cpu_ops.prepare("cpu") is None
+    torch.manual_seed(rows)
+    weight, x = torch.randn(2 * inter, k, dtype=torch.bfloat16) * 0.1, torch.randn(rows, k, dtype=torch.bfloat16)
+    plain, gated = pack_dense_weight(weight, "cpu"), pack_dense_weight(weight, "cpu", gate_up=True)
+    assert dense.is_gate_up_bf16(gated) and not dense.is_blocked_bf16(gated) and gated.shape == (2, inter, k // 2, 2)
+    product = dense_linear(x, plain)
+    assert torch.equal(dense_linear(x, gated), product)
+    assert torch.equal(dense.dense_silu_mul(x, gated), cpu_ops.silu_mul(product))
+    with pytest.raises(ValueError, match="no bias"):
+        dense_linear(x, gated, torch.zeros(2 * inter, dtype=torch.bfloat16))
+
+
 def test_odd_input_size_stays_on_onednn():
     """The blocked layout pairs inputs; an odd input size keeps oneDNN's (or the plain) weight."""
     weight = torch.randn(8, 5, dtype=torch.bfloat16)
@@ -94,9 +129,13 @@ def test_loaded_model_runs_on_packed_weights(gqa_dir):
     llm = LLM(str(gqa_dir), dtype="bfloat16", num_kv_blocks=16)
     model = llm.engine.loaded.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    packed = dense.is_blocked_bf16 if dense.bf16_kernel_ready() else (lambda w: w.is_mkldnn)
-    assert linears and all(packed(m.weight) for m in linears)
-    assert model.tied_head is None or packed(model.tied_head)
+    if dense.bf16_kernel_ready():  # fw's layout; the MLPs' gate/up packed for the fused SiLU
+        assert linears and all(
+            (dense.is_gate_up_bf16 if m.silu_gate_up else dense.is_blocked_bf16)(m.weight) for m in linears)
+        assert sum(m.silu_gate_up for m in linears) == model.config.num_hidden_layers
+        assert model.tied_head is None or dense.is_blocked_bf16(model.tied_head)
+    else:
+        assert linears and all(m.weight.is_mkldnn for m in linears)
 
 
 def test_cpu_flags_are_read_from_cpuinfo():

@@ -119,12 +119,17 @@ def register_fused_cpu_fakes() -> None:
             _fused_faked = True
         if not _dense_faked and dense.bf16_kernel_ready():
             torch.library.register_fake("fw_dense::linear_bf16")(_dense_bf16_fake)
+            torch.library.register_fake("fw_dense::linear_bf16_gated")(_dense_gate_up_fake)
             _dense_faked = True
 
 
 def _dense_bf16_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      fp32_out: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
+
+
+def _dense_gate_up_fake(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1] * (1 if silu else 2))
 
 
 def _no_output(*args: Any, **kwargs: Any) -> None:

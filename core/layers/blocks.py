@@ -21,7 +21,7 @@ from fw.layers.attention import Attention
 from fw.layers.context import ModelContext
 from fw.layers.linear import Linear
 from fw.layers.norm import RMSNorm
-from fw.layers import cpu_ops
+from fw.layers import cpu_ops, dense
 from fw.layers.rotary import RotaryEmbedding, rotate_heads_
 
 # checkpoint sub-name -> (fused sub-name, shard index)
@@ -106,9 +106,13 @@ class GatedMLP(nn.Module):
         self.fusable = hidden_act in ("silu", "swish")  # cpu_ops.silu_mul
         self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], ctx,
                                    f"{prefix}.gate_up_proj", bias=bias)
+        self.gate_up_proj.silu_gate_up = self.fusable
         self.down_proj = Linear(intermediate_size, hidden_size, ctx, f"{prefix}.down_proj", bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self.gate_up_proj, "weight", None)
+        if weight is not None and dense.is_gate_up_bf16(weight):  # packed for the fused SiLU
+            return self.down_proj.forward(dense.dense_silu_mul(x, weight))
         gate_up = self.gate_up_proj.forward(x)
         if self.fusable and cpu_ops.usable(gate_up):
             return self.down_proj.forward(cpu_ops.silu_mul(gate_up))

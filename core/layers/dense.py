@@ -36,11 +36,12 @@ logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 BF16_SOURCE = Path(__file__).with_name("dense_bf16.cpp")  # package data
-BF16_CFLAGS = DEFAULT_CFLAGS
+BF16_CFLAGS = DEFAULT_CFLAGS + ("-ffp-contract=off",)  # its SiLU rounds as cpu_ops.silu_mul does
 
 # oneDNN's linear on a packed weight, as the resolved overload (the op packet resolves it on every call)
 _linear_pointwise = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
 _bf16_linear = None  # torch.ops.fw_dense.linear_bf16.default once built
+_bf16_gated = None  # and its linear_bf16_gated
 _bf16_state: bool | None = None  # None: not tried yet
 
 
@@ -80,7 +81,7 @@ def _cpu_has_avx512_bf16() -> bool:
 
 def bf16_kernel_ready() -> bool:
     """fw's bf16 kernel is wanted and built (once per process, from the build cache when warm)."""
-    global _bf16_state, _bf16_linear
+    global _bf16_state, _bf16_linear, _bf16_gated
     if not bf16_kernel_wanted():
         return False
     if _bf16_state is None:
@@ -93,6 +94,7 @@ def bf16_kernel_ready() -> bool:
             load_cpp_ops("dense_bf16", BF16_SOURCE, BF16_CFLAGS)
             _bf16_state = bool(torch.ops.fw_dense.available())
             _bf16_linear = torch.ops.fw_dense.linear_bf16.default
+            _bf16_gated = torch.ops.fw_dense.linear_bf16_gated.default
         except FwError as exc:
             logger.warning("fw's bf16 matmul kernel unavailable (%s); using oneDNN", exc)
     return _bf16_state
@@ -109,15 +111,23 @@ def is_blocked_bf16(weight: torch.Tensor) -> bool:
     return weight.dim() == 3 and weight.dtype == torch.bfloat16 and weight.shape[2] == 2
 
 
-def pack_dense_weight(weight: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+def is_gate_up_bf16(weight: torch.Tensor) -> bool:
+    """`weight` is a SiLU MLP's gate/up projection in fw's blocked bf16 layout for it, [2, I, K / 2, 2]."""
+    return weight.dim() == 4 and weight.dtype == torch.bfloat16 and weight.shape[0] == 2 and weight.shape[3] == 2
+
+
+def pack_dense_weight(weight: torch.Tensor, device: torch.device | str, gate_up: bool = False) -> torch.Tensor:
     """The weight [out, in] in the layout `dense_linear` runs fastest with on `device`, where the model
     will run (weights load on the CPU first); the input itself where packing does not apply (another
-    device, another dtype, packing off). A packed weight cannot move off the CPU."""
+    device, another dtype, packing off). A packed weight cannot move off the CPU. `gate_up`: the weight
+    is [gate; up] of a SiLU MLP, and `dense_silu_mul` may fuse the activation into its product."""
     if torch.device(device).type != "cpu" or weight.device.type != "cpu":
         return weight
     if weight.dtype not in _PACKABLE_DTYPES or weight.dim() != 2:
         return weight
     if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_kernel_ready():
+        if gate_up and weight.shape[0] % 2 == 0:
+            return torch.ops.fw_dense.pack_bf16_gated(weight.detach())
         return torch.ops.fw_dense.pack_bf16(weight.detach())
     if not cpu_packing_available():
         return weight
@@ -128,7 +138,24 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x [..., in] @ weight^T (+ bias), for a weight from `pack_dense_weight` (packed or plain)."""
     if is_blocked_bf16(weight):
         return _blocked(x, weight, bias, False)
+    if is_gate_up_bf16(weight):
+        if bias is not None:
+            raise ValueError("dense_linear: a weight packed with gate_up=True takes no bias")
+        return _gate_up(x, weight, False)
     return _packed_or_plain(x, weight, bias)
+
+
+def dense_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for a weight packed with `gate_up=True`, the activation computed
+    from each block's sums before they leave the cache (what `cpu_ops.silu_mul` would compute from the
+    bf16 product)."""
+    return _gate_up(x, weight, True)
+
+
+def _gate_up(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"dense_linear: input dtype {x.dtype} != weight dtype {weight.dtype}")
+    return _bf16_gated(x.reshape(-1, x.shape[-1]), weight, silu).view(*x.shape[:-1], -1)
 
 
 def dense_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,7 +163,7 @@ def dense_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     unrounded; other layouts round to the model dtype first, as Hugging Face's models do."""
     if is_blocked_bf16(weight):
         return _blocked(x, weight, bias, True)
-    return _packed_or_plain(x, weight, bias).float()
+    return dense_linear(x, weight, bias).float()
 
 
 def _blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool) -> torch.Tensor:

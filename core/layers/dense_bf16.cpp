@@ -29,6 +29,8 @@
 #include <cstring>
 #include <vector>
 
+#include "fw_simd.h"  // exp16, round16 (fw/csrc, on the include path of fw.cpp_ops builds)
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FW_DENSE_BF16 1
 #include <immintrin.h>
@@ -51,23 +53,50 @@ bool available() {
 #endif
 }
 
-at::Tensor pack_bf16(const at::Tensor& w) {
+// Packs rows of w block by block; row_of(b, c) is the weight row of block b's column c, cols_of(b) how many
+// columns block b has. Every block but the last has 48.
+template <typename RowOf, typename ColsOf>
+at::Tensor pack_blocks(const at::Tensor& w, at::IntArrayRef shape, int64_t NB, RowOf row_of, ColsOf cols_of) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
               "pack_bf16: a bf16 CPU weight [N, K]");
   TORCH_CHECK(w.size(1) % 2 == 0, "pack_bf16: K must be even, got ", w.size(1));
   const at::Tensor src = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), NB = (N + NR - 1) / NR, KP = K / 2;
-  at::Tensor out = at::empty({N, KP, 2}, w.options());
+  const int64_t KP = w.size(1) / 2;
+  at::Tensor out = at::empty(shape, w.options());
   const uint32_t* s = reinterpret_cast<const uint32_t*>(src.const_data_ptr());  // one input pair per word
   uint32_t* d = reinterpret_cast<uint32_t*>(out.mutable_data_ptr());
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t cols = std::min(NR, N - b * NR);
+      const int64_t cols = cols_of(b);
       for (int64_t c = 0; c < cols; ++c)
-        for (int64_t p = 0; p < KP; ++p) d[b * KP * NR + p * cols + c] = s[(b * NR + c) * KP + p];
+        for (int64_t p = 0; p < KP; ++p) d[b * KP * NR + p * cols + c] = s[row_of(b, c) * KP + p];
     }
   });
   return out;
+}
+
+at::Tensor pack_bf16(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "pack_bf16: a weight [N, K]");
+  const int64_t N = w.size(0);
+  return pack_blocks(w, {N, w.size(1) / 2, 2}, (N + NR - 1) / NR, [](int64_t b, int64_t c) { return b * NR + c; },
+                     [N](int64_t b) { return std::min(NR, N - b * NR); });
+}
+
+// A gate/up weight [2I, K] (gate rows, then up rows) for a SiLU MLP: block b holds gate outputs
+// [24b, 24b + h) and then the same up outputs, h = min(24, I - 24b), so one block's sums finish
+// silu(gate) * up for h outputs. Shaped [2, I, K / 2, 2].
+constexpr int64_t HALF = NR / 2;
+
+at::Tensor pack_bf16_gated(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 2 == 0, "pack_bf16_gated: a weight [2 * I, K]");
+  const int64_t I = w.size(0) / 2;
+  return pack_blocks(
+      w, {2, I, w.size(1) / 2, 2}, (I + HALF - 1) / HALF,
+      [I](int64_t b, int64_t c) {
+        const int64_t h = std::min(HALF, I - b * HALF);
+        return c < h ? b * HALF + c : I + b * HALF + (c - h);
+      },
+      [I](int64_t b) { return 2 * std::min(HALF, I - b * HALF); });
 }
 
 #ifdef FW_DENSE_BF16
@@ -162,42 +191,36 @@ void write_block(const float* sums, int64_t rows, const uint16_t* bias, int64_t 
 }
 #endif
 
-at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
-                       bool fp32_out) {
+// Input pairs are read as 32-bit words: rows must start 4-byte aligned.
+at::Tensor aligned_input(const at::Tensor& x_in, int64_t KP) {
   TORCH_CHECK(available(), "linear_bf16: this build has no AVX512-BF16 kernel");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
               "linear_bf16: x must be a bf16 CPU tensor [M, K]");
-  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 2 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous(),
-              "linear_bf16: the weight must come from pack_bf16");
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = wp.size(0), NB = (N + NR - 1) / NR, KP = wp.size(1);
-  TORCH_CHECK(K == 2 * KP, "linear_bf16: x has ", K, " features, the weight ", 2 * KP);
-  const uint16_t* bp = nullptr;
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == N && b.scalar_type() == at::kBFloat16, "linear_bf16: bias bf16 [N]");
-    bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr());
-  }
-  at::Tensor out = at::empty({M, N}, x_in.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
-  if (M == 0) return out;
-  // input pairs are read as 32-bit words: rows must start 4-byte aligned
+  TORCH_CHECK(x_in.size(1) == 2 * KP, "linear_bf16: x has ", x_in.size(1), " features, the weight ", 2 * KP);
   const bool aligned = x_in.stride(1) == 1 && x_in.stride(0) % 2 == 0 &&
                        reinterpret_cast<uintptr_t>(x_in.const_data_ptr()) % 4 == 0;
-  const at::Tensor x = aligned ? x_in : x_in.contiguous();
+  return aligned ? x_in : x_in.contiguous();
+}
+
 #ifdef FW_DENSE_BF16
+// The product of x [M, 2 KP] with the packed blocks at wa (NB of them, `elements` bf16 in all), block by
+// block; write(sums, rows, m0, nb, cols) takes each finished [rows x cols] tile of fp32 sums. Threads
+// split the blocks; each streams its blocks in order, prefetching one chunk ahead.
+template <typename ColsOf, typename Write>
+void run_blocks(const at::Tensor& x, const uint16_t* wa, int64_t NB, int64_t KP, int64_t elements, ColsOf cols_of,
+                Write write) {
+  const int64_t M = x.size(0);
   const int32_t* xa = reinterpret_cast<const int32_t*>(x.const_data_ptr());
   const int64_t lda32 = x.stride(0) / 2;
-  const uint16_t* wa = reinterpret_cast<const uint16_t*>(wp.const_data_ptr());
-  void* oa = out.mutable_data_ptr();
   const int64_t panel = KP * NR * 2;  // bf16 elements per (full) block
-  const char* weight_end = reinterpret_cast<const char*>(wa + N * KP * 2);
+  const char* weight_end = reinterpret_cast<const char*>(wa + elements);
   for (int64_t mo = 0; mo < M; mo += MOUT) {
     const int64_t mend = std::min(M, mo + MOUT);
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
       std::vector<float> sums(size_t(MC * NR));
       for (int64_t nb = b0; nb < b1; ++nb) {
         const uint16_t* block = wa + nb * panel;
-        const Cols cols(std::min(NR, N - nb * NR));
+        const Cols cols(cols_of(nb));
         for (int64_t m0 = mo; m0 < mend; m0 += MC) {
           const int64_t mc = std::min(MC, mend - m0), tiles = (mc + MR - 1) / MR;
           for (int64_t k0 = 0; k0 < KP; k0 += KC) {
@@ -214,13 +237,84 @@ at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& wp, const c10::
                          cols, kc, sums.data() + t * MR * NR, k0 == 0, pf, npf);
             }
           }
-          if (fp32_out) write_block(sums.data(), mc, bp, nb, cols, static_cast<float*>(oa) + m0 * N, N);
-          else write_block(sums.data(), mc, bp, nb, cols, static_cast<uint16_t*>(oa) + m0 * N, N);
+          write(sums.data(), mc, m0, nb, cols);
         }
       }
-      if (fp32_out) _mm_sfence();  // this thread's streaming stores are done before the region ends
+      _mm_sfence();  // streaming stores (fp32 logits) are done before the region ends
     });
   }
+}
+
+inline __m512 bf16_round(__m512 v) { return fw_simd::round16<c10::BFloat16>(v); }
+
+// One block of a gated weight: h gate sums, then h up sums per row. silu: out[r, o0 + i] =
+// round(round(silu(round(gate))) * round(up)), as fw.layers.cpu_ops.silu_mul computes it from a bf16
+// gate|up; otherwise gate -> out[r, o0 + i] and up -> out[r, I + o0 + i] (the plain product's columns).
+void write_gated(const float* sums, int64_t rows, int64_t o0, int64_t h, int64_t I, bool silu, uint16_t* out,
+                 int64_t ldo) {
+  const __m512 one = _mm512_set1_ps(1.f), neg = _mm512_set1_ps(-0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < h; j += 16) {
+      const __mmask16 m = lanes(h - j);
+      const __m512 g = bf16_round(_mm512_maskz_loadu_ps(m, sums + r * NR + j));
+      const __m512 u = bf16_round(_mm512_maskz_loadu_ps(m, sums + r * NR + h + j));
+      uint16_t* o = out + r * ldo + o0 + j;
+      if (silu) {
+        const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, fw_simd::exp16(_mm512_xor_ps(g, neg))));
+        store_row(o, m, _mm512_mul_ps(bf16_round(act), u));
+      } else {
+        store_row(o, m, g);
+        store_row(o + I, m, u);
+      }
+    }
+}
+#endif
+
+at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
+                       bool fp32_out) {
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 2 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous(),
+              "linear_bf16: the weight must come from pack_bf16");
+  const int64_t N = wp.size(0), NB = (N + NR - 1) / NR, KP = wp.size(1);
+  const at::Tensor x = aligned_input(x_in, KP);
+  const uint16_t* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N && b.scalar_type() == at::kBFloat16, "linear_bf16: bias bf16 [N]");
+    bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr());
+  }
+  at::Tensor out = at::empty({x.size(0), N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  if (x.size(0) == 0) return out;
+#ifdef FW_DENSE_BF16
+  void* oa = out.mutable_data_ptr();
+  run_blocks(x, reinterpret_cast<const uint16_t*>(wp.const_data_ptr()), NB, KP, N * KP * 2,
+             [N](int64_t nb) { return std::min(NR, N - nb * NR); },
+             [&](const float* sums, int64_t rows, int64_t m0, int64_t nb, const Cols& cols) {
+               if (fp32_out) write_block(sums, rows, bp, nb, cols, static_cast<float*>(oa) + m0 * N, N);
+               else write_block(sums, rows, bp, nb, cols, static_cast<uint16_t*>(oa) + m0 * N, N);
+             });
+#endif
+  return out;
+}
+
+// x @ [gate | up]^T for a weight from pack_bf16_gated: with silu, silu(gate) * up [M, I]; else the plain
+// product [M, 2I] (gate columns, then up).
+at::Tensor linear_bf16_gated(const at::Tensor& x_in, const at::Tensor& wp, bool silu) {
+  TORCH_CHECK(wp.dim() == 4 && wp.size(0) == 2 && wp.size(3) == 2 && wp.scalar_type() == at::kBFloat16 &&
+                  wp.is_contiguous(),
+              "linear_bf16_gated: the weight must come from pack_bf16_gated");
+  const int64_t I = wp.size(1), NB = (I + HALF - 1) / HALF, KP = wp.size(2);
+  const at::Tensor x = aligned_input(x_in, KP);
+  at::Tensor out = at::empty({x.size(0), silu ? I : 2 * I}, x.options());
+  if (x.size(0) == 0) return out;
+#ifdef FW_DENSE_BF16
+  uint16_t* oa = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  const int64_t ldo = out.size(1);
+  run_blocks(x, reinterpret_cast<const uint16_t*>(wp.const_data_ptr()), NB, KP, 2 * I * KP * 2,
+             [I](int64_t nb) { return 2 * std::min(HALF, I - nb * HALF); },
+             [&](const float* sums, int64_t rows, int64_t m0, int64_t nb, const Cols& cols) {
+               write_gated(sums, rows, nb * HALF, cols.n / 2, I, silu, oa + m0 * ldo, ldo);
+             });
 #endif
   return out;
 }
@@ -234,4 +328,8 @@ TORCH_LIBRARY(fw_dense, m) {
   m.impl("pack_bf16", c10::DispatchKey::CPU, TORCH_FN(pack_bf16));
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_bf16));
+  m.def("pack_bf16_gated(Tensor w) -> Tensor");
+  m.impl("pack_bf16_gated", c10::DispatchKey::CPU, TORCH_FN(pack_bf16_gated));
+  m.def("linear_bf16_gated(Tensor x, Tensor w, bool silu) -> Tensor");
+  m.impl("linear_bf16_gated", c10::DispatchKey::CPU, TORCH_FN(linear_bf16_gated));
 }

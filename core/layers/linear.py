@@ -55,7 +55,8 @@ class UnquantizedLinearMethod(LinearMethod):
         )
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
-        packed = pack_dense_weight(layer.weight.data, layer.device)
+        gate_up = layer.silu_gate_up and layer.bias is None
+        packed = pack_dense_weight(layer.weight.data, layer.device, gate_up=gate_up)
         if packed is not layer.weight.data:
             layer.weight = nn.Parameter(packed, requires_grad=False)
 
@@ -81,6 +82,9 @@ class Linear(nn.Module):
         self.prefix = prefix
         self.params_dtype = ctx.dtype
         self.device = ctx.device  # where the model will run (it is built and loaded on the CPU)
+        # set by a SiLU MLP before loading: the output is [gate | up], so the unquantized method may pack
+        # the weight for fw.layers.dense_silu_mul (fw's bf16 CPU kernel fuses the activation)
+        self.silu_gate_up = False
         self.method = ctx.linear_method_for(prefix)
         self.method.create_weights(self)
         if bias:
