@@ -83,6 +83,25 @@ def test_throughput_against_transformers(gqa_dir, tmp_path, capsys, isolated_plu
         assert report["ratios"][key] == pytest.approx(report["fw"][key] / report["baseline"][key])
 
 
+def test_throughput_passes_alternate_and_report_the_median(gqa_dir, tmp_path, capsys, isolated_plugins):
+    report = _run(["bench", "throughput", "--model", str(gqa_dir), "--dtype", "float32", "--num-prompts", "3",
+                   "--input-len", "12", "--input-len-range", "0.5", "--output-len", "4", "--num-passes", "3",
+                   "--baseline", "transformers", "--baseline-batch-size", "3", "--num-kv-blocks", "64"],
+                  tmp_path, capsys)
+    assert report["workload"]["num_passes"] == 3
+    for side in ("fw", "baseline"):
+        passes = report["passes"][side]
+        assert len(passes) == 3 and all(p["output_tokens"] == 3 * 4 for p in passes)
+        assert report[side] == sorted(passes, key=lambda p: p["elapsed_s"])[1]  # the median pass
+    assert report["ratios"]["elapsed_s"] == pytest.approx(report["fw"]["elapsed_s"] / report["baseline"]["elapsed_s"])
+
+
+def test_num_passes_must_be_positive(gqa_dir, tmp_path, capsys, isolated_plugins):
+    code = main(["bench", "throughput", "--model", str(gqa_dir), "--dtype", "float32", "--num-prompts", "2",
+                 "--num-passes", "0", "--num-kv-blocks", "32", "--no-progress"])
+    assert code != 0 and "--num-passes must be at least 1" in capsys.readouterr().err
+
+
 def test_fw_alone_has_no_baseline(gqa_dir, tmp_path, capsys, isolated_plugins):
     out = tmp_path / "r.json"
     assert main(["bench", "throughput", "--model", str(gqa_dir), "--dtype", "float32", "--num-prompts", "2",

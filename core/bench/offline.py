@@ -215,31 +215,45 @@ def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_i
 
 
 def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: float, output_len: int,
-                     baseline: bool, baseline_batch_size: int = 64, seed: int = 0,
+                     baseline: bool, baseline_batch_size: int = 64, seed: int = 0, num_passes: int = 1,
                      progress: bool = True) -> dict[str, Any]:
-    """All prompts to fw at once; the baseline in static batches of `baseline_batch_size`."""
-    if num_prompts < 1 or output_len < 1 or baseline_batch_size < 1:
-        raise BenchError("--num-prompts, --output-len and --baseline-batch-size must be at least 1")
+    """All prompts to fw at once; the baseline in static batches of `baseline_batch_size`. With several
+    passes, fw and the baseline take turns (fw, baseline, fw, ...), each pass on new prompts of the same
+    lengths (repeats would hit fw's prefix cache), so a machine whose speed drifts slows both alike; the
+    figures are each side's median pass."""
+    if num_prompts < 1 or output_len < 1 or baseline_batch_size < 1 or num_passes < 1:
+        raise BenchError("--num-prompts, --output-len, --baseline-batch-size and --num-passes must be at least 1")
     lengths = throughput_lengths(input_len, input_len_range, num_prompts, seed)
-    prompts = make_prompts(llm.tokenizer, lengths, seed)
     input_tokens = sum(lengths)
     hf = Baseline(llm, progress) if baseline else None
     warm_up(llm, hf, make_prompts(llm.tokenizer, lengths, seed + 1), baseline_batch_size)
-    if progress:
-        print(f"fw: {num_prompts} prompts x {output_len} tokens ...", file=sys.stderr)
-    fw = throughput_summary(fw_throughput(llm, prompts, output_len), num_prompts, input_tokens)
-    base = None
-    if hf is not None:
-        with progress_bar(num_prompts, "transformers", progress) as bar:
-            measured = hf.hf.throughput(hf.model, prompts, output_len, baseline_batch_size, hf.pad_id, bar)
-        base = throughput_summary(measured, num_prompts, input_tokens)
+    fw_passes: list[dict[str, Any]] = []
+    base_passes: list[dict[str, Any]] = []
+    for i in range(num_passes):
+        prompts = make_prompts(llm.tokenizer, lengths, seed if i == 0 else seed + 1 + i)
+        if progress:
+            print(f"fw: {num_prompts} prompts x {output_len} tokens (pass {i + 1} of {num_passes}) ...",
+                  file=sys.stderr)
+        fw_passes.append(throughput_summary(fw_throughput(llm, prompts, output_len), num_prompts, input_tokens))
+        if hf is not None:
+            with progress_bar(num_prompts, "transformers", progress) as bar:
+                measured = hf.hf.throughput(hf.model, prompts, output_len, baseline_batch_size, hf.pad_id, bar)
+            base_passes.append(throughput_summary(measured, num_prompts, input_tokens))
+    fw, base = median_pass(fw_passes), median_pass(base_passes) if base_passes else None
     keys = [k for k, _ in THROUGHPUT_METRICS]
     return {"benchmark": "throughput", **model_info(llm),
             "workload": {"num_prompts": num_prompts, "input_len": input_len, "input_len_range": input_len_range,
                          "min_input_len": min(lengths), "max_input_len": max(lengths), "output_len": output_len,
-                         "baseline_batch_size": baseline_batch_size, "seed": seed},
+                         "baseline_batch_size": baseline_batch_size, "seed": seed, "num_passes": num_passes},
             "environment": environment(llm), "fw": fw, "baseline": base,
-            "baseline_info": hf.describe() if hf else None, "ratios": ratios(fw, base, keys)}
+            "baseline_info": hf.describe() if hf else None, "ratios": ratios(fw, base, keys),
+            "passes": {"fw": fw_passes, "baseline": base_passes or None}}
+
+
+def median_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pass with the median elapsed time (the lower middle one of an even count)."""
+    ordered = sorted(passes, key=lambda p: p["elapsed_s"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 # --- output ----------------------------------------------------------------------------------------------------
@@ -258,6 +272,8 @@ def format_table(report: dict[str, Any]) -> str:
     else:
         workload = (f"{w['num_prompts']} prompts, {w['min_input_len']}-{w['max_input_len']} in / "
                     f"{w['output_len']} out; baseline batch {w['baseline_batch_size']}")
+        if w.get("num_passes", 1) > 1:
+            workload += f"; median of {w['num_passes']} alternating passes"
     lines = ["{:=^{w}}".format(f" Offline {report['benchmark'].title()} Benchmark ", w=width),
              f"Model: {report['model']} ({report['dtype']}, {env['device']}, {env['num_threads']} threads)",
              f"Workload: {workload}",

@@ -122,6 +122,9 @@ def configure_throughput(p: argparse.ArgumentParser) -> None:
                    help="Spread R: prompt lengths uniform in [len*(1-R), len*(1+R)] (default 0.82: 19-201).")
     w.add_argument("--baseline-batch-size", type=int, default=64,
                    help="Prompts per transformers generate() call (default 64).")
+    w.add_argument("--num-passes", type=int, default=1,
+                   help="Passes of the workload, fw and the baseline taking turns, each on new prompts; the "
+                        "median pass of each is reported (default 1).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,7 +159,8 @@ def run_offline(args: argparse.Namespace) -> int:
     else:
         report = offline.bench_throughput(llm, num_prompts=args.num_prompts, input_len=args.input_len,
                                           input_len_range=args.input_len_range,
-                                          baseline_batch_size=args.baseline_batch_size, **common)
+                                          baseline_batch_size=args.baseline_batch_size,
+                                          num_passes=args.num_passes, **common)
     if args.output_json:
         write_json(report, args.output_json)
     print(offline.format_table(report))
