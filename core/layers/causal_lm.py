@@ -41,8 +41,8 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits from a dense head (unrounded where fw's bf16 kernel runs it); a quantized head's
-        in its own dtype."""
+        """The logits: fw's bf16 CPU kernel's unrounded fp32 sums where it runs the (dense) head, else in
+        the head's own dtype."""
         if self.tie:
             head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
             return dense_logits(hidden, head)

@@ -20,10 +20,8 @@ oneDNN, to compare or to rule a layout out when chasing a numerical difference.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
@@ -64,19 +62,9 @@ def cpu_packing_available() -> bool:
 
 def bf16_kernel_wanted() -> bool:
     """This CPU has AVX512-BF16 and packing is not turned off or pinned to oneDNN."""
-    return _packing_mode() == "auto" and _cpu_has_avx512_bf16()
+    from fw.model_loader.hardware import this_cpu_flags  # lazy: the loader imports fw.layers
 
-
-@functools.cache
-def _cpu_has_avx512_bf16() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    from fw.model_loader.hardware import cpu_flags  # lazy: the loader imports fw.layers
-
-    try:
-        return "avx512_bf16" in cpu_flags(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
+    return _packing_mode() == "auto" and "avx512_bf16" in this_cpu_flags()
 
 
 def bf16_kernel_ready() -> bool:
@@ -153,22 +141,26 @@ def dense_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _gate_up(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"dense_linear: input dtype {x.dtype} != weight dtype {weight.dtype}")
+    _check_input_dtype(x, weight)
     return _bf16_gated(x.reshape(-1, x.shape[-1]), weight, silu).view(*x.shape[:-1], -1)
 
 
 def dense_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`dense_linear` in fp32: the output projection's logits. fw's bf16 kernel returns its fp32 sums
-    unrounded; other layouts round to the model dtype first, as Hugging Face's models do."""
+    """`dense_linear` for the output projection's logits: fw's bf16 kernel returns its fp32 sums
+    unrounded; other layouts give the model dtype, as Hugging Face's models do (the engine casts them
+    into a buffer it keeps across steps)."""
     if is_blocked_bf16(weight):
         return _blocked(x, weight, bias, True)
-    return dense_linear(x, weight, bias).float()
+    return dense_linear(x, weight, bias)
+
+
+def _check_input_dtype(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype != weight.dtype:
+        raise TypeError(f"dense_linear: input dtype {x.dtype} != weight dtype {weight.dtype}")
 
 
 def _blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool) -> torch.Tensor:
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"dense_linear: input dtype {x.dtype} != weight dtype {weight.dtype}")
+    _check_input_dtype(x, weight)
     if x.dim() == 2:
         return _bf16_linear(x, weight, bias, fp32_out)
     out = _bf16_linear(x.reshape(-1, x.shape[-1]), weight, bias, fp32_out)
@@ -184,7 +176,6 @@ def _packed_or_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    if flat.dtype != weight.dtype:
-        raise TypeError(f"dense_linear: input dtype {flat.dtype} != weight dtype {weight.dtype}")
+    _check_input_dtype(flat, weight)
     out = _linear_pointwise(flat, weight, bias, "none", [], "")
     return out.view(*lead, out.shape[-1])

@@ -24,12 +24,17 @@ def cpu_flags(cpuinfo: str) -> frozenset[str]:
 
 
 @functools.cache
+def this_cpu_flags() -> frozenset[str]:
+    """This machine's CPU flags (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
+
+
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """True where bf16 matmuls run in hardware; False where unknown (fp32 is the safe default)."""
     if platform.system() == "Darwin":
         return False  # Apple CPUs have BF16 from M2 on, but torch's CPU bf16 kernels there are not faster
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(cpu_flags(text) & _NATIVE_BF16_FLAGS)
+    return bool(this_cpu_flags() & _NATIVE_BF16_FLAGS)
