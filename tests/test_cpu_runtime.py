@@ -26,6 +26,48 @@ def test_malloc_tuning_applies_and_can_be_turned_off(monkeypatch):
     assert cpu_runtime.release_openmp_threads() is False
 
 
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
+
+
+def _smaps_entry(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address`."""
+    entry: dict[str, str] = {}
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(part, 16) for part in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and ":" in head:
+            entry[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return entry
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off or absent")
+def test_huge_pages_are_advised_for_the_aligned_part(monkeypatch):
+    cache = torch.empty(8 << 20, dtype=torch.uint8)  # glibc mmaps it: untouched, its own mapping
+    assert cpu_runtime.advise_huge_pages(cache) is True
+    middle = (cache.data_ptr() + (4 << 20)) // 4096 * 4096
+    assert _smaps_entry(middle).get("THPeligible") == "1"
+    assert cpu_runtime.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8)) is False  # no aligned 2 MiB
+    monkeypatch.setenv("FW_CPU_RUNTIME_TUNING", "0")
+    assert cpu_runtime.advise_huge_pages(cache) is False
+
+
+def test_kv_cache_is_allocated_with_huge_pages_advised(monkeypatch, gqa_dir):
+    advised = []
+    monkeypatch.setattr("fw.engine.model_runner.advise_huge_pages", lambda t: advised.append(t.data_ptr()) or True)
+    engine = LLMEngine(EngineConfig(model=str(gqa_dir), kv_cache_memory="8MiB"))
+    caches = [layer.kv_cache for layer in engine.runner.layers]
+    assert advised == [c.data_ptr() for c in caches]
+    assert all(bool((c == 0).all()) for c in caches)
+
+
 @linux_openmp
 def test_openmp_team_release_leaves_torch_working():
     a = torch.randn(256, 2048)

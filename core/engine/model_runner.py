@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fw.engine.cpu_runtime import advise_huge_pages
 from fw.engine.request import Sequence
 from fw.layers.attention import Attention, AttentionMetadata
 
@@ -38,7 +39,9 @@ class ModelRunner:
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
         for layer in self.layers:
             shape = attention_backend.kv_cache_shape(num_blocks, page_size, layer.num_kv_heads, layer.head_dim)
-            layer.kv_cache = torch.zeros(shape, dtype=_cache_dtype(layer, dtype), device=device)
+            cache = torch.empty(shape, dtype=_cache_dtype(layer, dtype), device=device)
+            advise_huge_pages(cache)  # before the first write (zero_), which faults the pages in
+            layer.kv_cache = cache.zero_()
 
     @staticmethod
     def kv_bytes_per_block(model: nn.Module, backend: type, page_size: int, dtype: torch.dtype) -> int:

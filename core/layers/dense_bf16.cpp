@@ -112,7 +112,7 @@ struct Cols {
 // sums[R rows][48] (+)= a[R rows, 2 * kpairs] . w[kpairs, cols, 2], while prefetching `npf` lines from
 // `pf` into L1 (PF_PER_PAIR a pair, for the chunk the caller reads next). A chunk is summed on its own
 // and then added to the running sums: two levels of fp32 sums err less than one chain over all of K.
-template <int R>
+template <int R, bool Full>
 inline void micro(const int32_t* __restrict a, int64_t lda32, const uint16_t* __restrict w, const Cols& cols,
                   int64_t kpairs, float* __restrict sums, bool first, const char* pf, int64_t npf) {
   // named accumulators: GCC keeps these in registers, where an array of vectors spilled every iteration
@@ -122,13 +122,9 @@ inline void micro(const int32_t* __restrict a, int64_t lda32, const uint16_t* __
   if (R > r) c##r##0 = c##r##1 = c##r##2 = _mm512_setzero_ps();
   FW_INIT(0) FW_INIT(1) FW_INIT(2) FW_INIT(3) FW_INIT(4) FW_INIT(5) FW_INIT(6) FW_INIT(7)
 #undef FW_INIT
-  for (int64_t p = 0; p < kpairs; ++p) {
-    const uint16_t* wp = w + p * cols.n * 2;  // masked loads: the last block may be narrower
-    const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi32(cols.m0, wp),
-                   w1 = (__m512bh)_mm512_maskz_loadu_epi32(cols.m1, wp + 32),
-                   w2 = (__m512bh)_mm512_maskz_loadu_epi32(cols.m2, wp + 64);
-    if (p * PF_PER_PAIR < npf)
-      for (int q = 0; q < PF_PER_PAIR; ++q) _mm_prefetch(pf + (p * PF_PER_PAIR + q) * 64, _MM_HINT_T0);
+  // A full block's pairs are 48 columns apart and load whole; the last block may be narrower (masked).
+  const int64_t stride = Full ? NR * 2 : cols.n * 2;
+  const __mmask16 m0 = cols.m0, m1 = cols.m1, m2 = cols.m2;
 #define FW_ROW(r)                                                                               \
   if (R > r) {                                                                                  \
     const __m512bh av = (__m512bh)_mm512_set1_epi32(a[r * lda32 + p]);                          \
@@ -136,9 +132,24 @@ inline void micro(const int32_t* __restrict a, int64_t lda32, const uint16_t* __
     c##r##1 = _mm512_dpbf16_ps(c##r##1, w1, av);                                                \
     c##r##2 = _mm512_dpbf16_ps(c##r##2, w2, av);                                                \
   }
-    FW_ROW(0) FW_ROW(1) FW_ROW(2) FW_ROW(3) FW_ROW(4) FW_ROW(5) FW_ROW(6) FW_ROW(7)
-#undef FW_ROW
+#define FW_PAIR                                                                                 \
+  {                                                                                             \
+    const uint16_t* wp = w + p * stride;                                                        \
+    const __m512bh w0 = Full ? (__m512bh)_mm512_loadu_si512(wp) : (__m512bh)_mm512_maskz_loadu_epi32(m0, wp), \
+                   w1 = Full ? (__m512bh)_mm512_loadu_si512(wp + 32) : (__m512bh)_mm512_maskz_loadu_epi32(m1, wp + 32), \
+                   w2 = Full ? (__m512bh)_mm512_loadu_si512(wp + 64) : (__m512bh)_mm512_maskz_loadu_epi32(m2, wp + 64); \
+    FW_ROW(0) FW_ROW(1) FW_ROW(2) FW_ROW(3) FW_ROW(4) FW_ROW(5) FW_ROW(6) FW_ROW(7)             \
   }
+  // The pairs that also prefetch (PF_PER_PAIR lines each), then the rest: no test per pair.
+  const int64_t pf_pairs = std::min(kpairs, (npf + PF_PER_PAIR - 1) / PF_PER_PAIR);
+  int64_t p = 0;
+  for (; p < pf_pairs; ++p) {
+    for (int q = 0; q < PF_PER_PAIR; ++q) _mm_prefetch(pf + (p * PF_PER_PAIR + q) * 64, _MM_HINT_T0);
+    FW_PAIR
+  }
+  for (; p < kpairs; ++p) FW_PAIR
+#undef FW_PAIR
+#undef FW_ROW
 #define FW_STORE(r)                                                                             \
   if (R > r) {                                                                                  \
     float* row = sums + r * NR;                                                                 \
@@ -150,17 +161,18 @@ inline void micro(const int32_t* __restrict a, int64_t lda32, const uint16_t* __
 #undef FW_STORE
 }
 
+template <bool Full>
 void micro_rows(int rows, const int32_t* a, int64_t lda32, const uint16_t* w, const Cols& cols, int64_t kpairs,
                 float* sums, bool first, const char* pf, int64_t npf) {
   switch (rows) {
-    case 8: micro<8>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
-    case 7: micro<7>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
-    case 6: micro<6>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
-    case 5: micro<5>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
-    case 4: micro<4>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
-    case 3: micro<3>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
-    case 2: micro<2>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
-    default: micro<1>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
+    case 8: micro<8, Full>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
+    case 7: micro<7, Full>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
+    case 6: micro<6, Full>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
+    case 5: micro<5, Full>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
+    case 4: micro<4, Full>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
+    case 3: micro<3, Full>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
+    case 2: micro<2, Full>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
+    default: micro<1, Full>(a, lda32, w, cols, kpairs, sums, first, pf, npf); break;
   }
 }
 
@@ -233,8 +245,10 @@ void run_blocks(const at::Tensor& x, const uint16_t* wa, int64_t NB, int64_t KP,
             for (int64_t t = 0; t < tiles; ++t) {
               const char* pf = ahead + t * per_tile * 64;
               const int64_t npf = std::max<int64_t>(0, std::min<int64_t>(per_tile, (weight_end - pf) / 64));
-              micro_rows(int(std::min<int64_t>(MR, mc - t * MR)), xa + (m0 + t * MR) * lda32 + k0, lda32, chunk,
-                         cols, kc, sums.data() + t * MR * NR, k0 == 0, pf, npf);
+              const int rows = int(std::min<int64_t>(MR, mc - t * MR));
+              (cols.n == NR ? micro_rows<true> : micro_rows<false>)(rows, xa + (m0 + t * MR) * lda32 + k0, lda32,
+                                                                   chunk, cols, kc, sums.data() + t * MR * NR,
+                                                                   k0 == 0, pf, npf);
             }
           }
           write(sums.data(), mc, m0, nb, cols);
