@@ -28,7 +28,8 @@ def test_malloc_tuning_applies_and_can_be_turned_off(monkeypatch):
 
 def _thp_mode() -> str | None:
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
     except OSError:
         return None
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
@@ -38,7 +39,9 @@ def _smaps_entry(address: int) -> dict[str, str]:
     """The /proc/self/smaps fields of the mapping that holds `address`."""
     entry: dict[str, str] = {}
     inside = False
-    for line in open("/proc/self/smaps"):
+    with open("/proc/self/smaps") as f:
+        lines = f.readlines()
+    for line in lines:
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(part, 16) for part in head.split("-"))
