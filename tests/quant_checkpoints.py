@@ -170,8 +170,9 @@ def fused_reference(weights: dict[str, torch.Tensor], fw_prefix: str) -> torch.T
     return weights[fw_prefix]
 
 
-def check_linear_outputs(llm, weights: dict[str, torch.Tensor], method_cls) -> int:
-    """(a): each quantized fw Linear's output against x @ W_deq^T; returns the layers checked."""
+def check_linear_outputs(llm, weights: dict[str, torch.Tensor], method_cls, device: str = "cpu") -> int:
+    """(a): each quantized fw Linear's output against x @ W_deq^T; returns the layers checked.
+    `device`: where the engine runs (the inputs go there; the reference stays in float64 on the CPU)."""
     from fw.layers import Linear
 
     model = llm.engine.loaded.model
@@ -188,7 +189,7 @@ def check_linear_outputs(llm, weights: dict[str, torch.Tensor], method_cls) -> i
         for rows in (5, 40):  # decode-sized (grouped matmul on the codes) and prefill-sized (dequantized)
             x = torch.randn(rows, module.input_size)
             with torch.no_grad():
-                got = module(x)
+                got = module(x.to(device)).cpu()
             want = x.double() @ w.double().t()
             assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), (name, rows)
         checked += 1

@@ -220,13 +220,19 @@ def test_fp8_matmul_on_gpu_close_to_weight_only():
     from fw.quantizers.fp8 import _fp8_matmul, _scaled_mm_usable, quantize_rows
 
     x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
-    if not _scaled_mm_usable(x):
-        pytest.skip("no row-wise fp8 matmul on this GPU")
     w = torch.randn(128, 256, device="cuda")
     q, scale = quantize_rows(w)
-    ref = x.float() @ (q.float() * scale[:, None]).T
-    out = _fp8_matmul(x, q, scale, None).float()
-    assert ((out - ref).norm() / ref.norm()).item() < 0.05
+    if not _scaled_mm_usable(x, q):
+        pytest.skip("no row-wise fp8 matmul on this GPU")
+    bias = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ (q.float() * scale[:, None]).T + bias.float()
+    out = _fp8_matmul(x, q, scale, bias)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 0.05
+    # what _scaled_mm cannot take goes the weight-only way: fp32 activations, N or K not a multiple of 16
+    assert not _scaled_mm_usable(x.float(), q)
+    assert not _scaled_mm_usable(x, q[:120])
+    assert not _scaled_mm_usable(x[:, :250], q[:, :250])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

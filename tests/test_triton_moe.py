@@ -10,6 +10,8 @@ Qwen2-MoE models against `grouped`). The spec and its selection are checked in-p
 
 from __future__ import annotations
 
+import copy
+
 import importlib.util
 import json
 import os
@@ -145,10 +147,11 @@ def _moe_registry():
     return get_plugin_manager().registry("moe_kernel")
 
 
-def test_spec_declares_cuda_and_ranks_above_grouped():
+def test_spec_declares_cuda_and_ranks_below_grouped_until_tuned():
+    """Measured slower than grouped on an H200 (docs/moe-kernels.md): auto keeps grouped on CUDA."""
     registry = _moe_registry()
     spec, grouped = registry.get("triton"), registry.get("grouped")
-    assert spec.devices == ("cuda",) and spec.priority > grouped.priority
+    assert spec.devices == ("cuda",) and spec.priority < grouped.priority
     assert {"bfloat16", "float16", "float32"} <= set(spec.dtypes)
     assert spec.activations is not None and "silu" in spec.activations and "gelu_pytorch_tanh" in spec.activations
 
@@ -219,8 +222,20 @@ def test_gpu_kernel_matches_grouped(shape, dtype):
 
 @pytest.mark.gpu
 def test_gpu_kernel_fp32_is_ieee():
-    fused, ref, _ = _gpu_case(64, 8, 2, 1024, 512, torch.float32)
-    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    """fp32 experts: IEEE products (no TF32), so the kernel is as close to a float64 result as the
+    reference is (TF32 would be ~1e-3 off). Each side is measured against float64 on its own."""
+    from fw.backends.moe.grouped import GroupedMoeKernel
+    from fw.backends.moe.triton_moe import TritonMoeKernel
+
+    gen = torch.Generator().manual_seed(64)
+    experts = _experts(8, 1024, 512, "silu", GroupedMoeKernel(), gen).to("cuda", torch.float32)
+    x = torch.randn(64, 1024, generator=gen).to("cuda")
+    weights, ids = (t.cuda() for t in _routing(64, 8, 2, None, gen))
+    exact = GroupedMoeKernel().forward(copy.deepcopy(experts).to(torch.float64), x.double(), weights.double(), ids)
+    scale = exact.abs().max().item()
+    errors = {name: (kernel.forward(experts, x, weights, ids).double() - exact).abs().max().item() / scale
+              for name, kernel in (("triton", TritonMoeKernel()), ("grouped", GroupedMoeKernel()))}
+    assert max(errors.values()) < 1e-5, (errors, torch.backends.cuda.matmul.allow_tf32)
 
 
 PROMPTS = ["Hello world", "The engine schedules every request in pages of keys and values.", "a",
@@ -230,10 +245,11 @@ PROMPTS = ["Hello world", "The engine schedules every request in pages of keys a
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_gpu_greedy_generation_matches_grouped(family, tokenizer, tmp_path):
-    """fp32 on CUDA: auto picks triton, and greedy tokens and logprobs equal grouped's."""
+    """fp32 on CUDA: triton's greedy tokens and logprobs equal grouped's, and auto picks grouped."""
     import tiny_moe
     from conftest import make_llm
     from fw import SamplingParams
+    from fw.backends.moe.grouped import GroupedMoeKernel
     from fw.backends.moe.triton_moe import TritonMoeKernel
     from fw.layers import FusedExperts
 
@@ -241,13 +257,12 @@ def test_gpu_greedy_generation_matches_grouped(family, tokenizer, tmp_path):
     path = tiny_moe.build_model(spec, tokenizer, tmp_path / family)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     runs = {}
-    for backend in ("auto", "grouped"):
+    for backend in ("triton", "auto"):
         llm = make_llm(path, device="cuda", moe_backend=backend, kv_cache_page_size=16)
         kernels = {type(m.kernel) for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)}
-        if backend == "auto":
-            assert kernels == {TritonMoeKernel}
+        assert kernels == ({TritonMoeKernel} if backend == "triton" else {GroupedMoeKernel})
         runs[backend] = llm.generate(PROMPTS, params)
-    for fused, ref in zip(runs["auto"], runs["grouped"]):
+    for fused, ref in zip(runs["triton"], runs["auto"]):
         assert fused.outputs[0].token_ids == ref.outputs[0].token_ids, fused.prompt
         for a, b, token in zip(fused.outputs[0].logprobs, ref.outputs[0].logprobs, ref.outputs[0].token_ids):
             assert abs(a[token].logprob - b[token].logprob) < 1e-3

@@ -61,7 +61,9 @@ def compiled_flex_attention(key: tuple) -> Callable[..., torch.Tensor]:
         import torch.fx.experimental._config as fx_config
         from torch.nn.attention.flex_attention import flex_attention
 
-        compiled = torch.compile(flex_attention, dynamic=True, isolate_recompiles=True)
+        from fw.compile.isolated import compile_isolated  # here: importing fw.compile is not free at plugin listing
+
+        compiled = compile_isolated(flex_attention, dynamic=True)
 
         def call(*args: Any, **kwargs: Any) -> torch.Tensor:
             with fx_config.patch(use_duck_shape=False):

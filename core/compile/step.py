@@ -30,6 +30,7 @@ from torch import nn
 
 from fw.compile.buckets import StepBuckets
 from fw.compile.cache import CacheEntry
+from fw.compile.isolated import compile_isolated
 from fw.compile.ops import step_context
 from fw.compile.traceable import make_traceable
 from fw.config import COMPILE_MODES
@@ -75,15 +76,14 @@ class CompiledStep:
         def head(hidden: torch.Tensor) -> torch.Tensor:
             return model.compute_logits(hidden).float()
 
-        # isolate_recompiles: this step's graphs (and its recompile limit) are its own, not shared with
-        # another engine's model in the same process, whose forward is the same code object.
+        # Isolated: this step's graphs (and its recompile limit) are its own, not shared with another
+        # engine's model in the same process, whose forward is the same code object.
         # No guards on the model's modules and parameters: a loaded fw model does not change its structure,
         # and checking ~300 of them before every call cost 2-4% of a batch-1 decode step.
         options = {"fullgraph": True, "dynamic": False, "backend": self._backend, "recompile_limit": limit,
-                   "isolate_recompiles": True,
                    "options": {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}}
-        self._body = torch.compile(body, **options)
-        self._head = torch.compile(head, **options)
+        self._body = compile_isolated(body, **options)
+        self._head = compile_isolated(head, **options)
 
     # -- compilation -----------------------------------------------------------------------
 
