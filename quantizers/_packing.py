@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from fw.errors import ModelLoadError
+from fw.layers import packed_int
 
 # AWQ's GEMM kernels pack output columns c*8 + [0, 2, 4, 6, 1, 3, 5, 7] into nibbles 0..7 of
 # int32 column c; nibble AWQ_REVERSE_ORDER[j] therefore holds column c*8 + j.
@@ -145,3 +146,25 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor, scales
     partial = torch.bmm(xg, q.view(groups, size, columns))  # [G, T, out]
     partial.sub_(xg.sum(-1, keepdim=True) * zeros[:, None]).mul_(scales[:, None])
     return partial.sum(0)
+
+
+def repack_for_kernels(layer, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                       drop: tuple[str, ...]) -> bool:
+    """Moves a 4-bit layer (W^T[i, o] = scales[g, o] * (q[i, o] - zeros[g, o]), g = i // group_size) onto fw's
+    packed-int kernels where they run on the layer's device and every group holds whole 32-input blocks:
+    `layer.packed_int` is set, `layer.qweight` holds its bytes and the other checkpoint tensors named in
+    `drop` are deleted.
+    False: the layer keeps its reference path. The offsets -scale * zero are rounded to fp16 (a 2^-12
+    relative change of each zero point)."""
+    inputs = q.shape[0]
+    if group_size % packed_int.BLOCK or not packed_int.applies(layer.device, inputs):
+        return False
+    group = torch.arange(0, inputs, packed_int.BLOCK) // group_size  # each block's group
+    s, z = scales.float()[group].T, zeros.float()[group].T  # [out, blocks]
+    blocks = packed_int.QuantBlocks(4, q.T.to(torch.uint8), s, -s * z)
+    weight = packed_int.pack(blocks)
+    for name in drop:
+        delattr(layer, name)
+    layer.qweight = torch.nn.Parameter(weight.data, requires_grad=False)  # the loader counts it as loaded
+    layer.packed_int = [weight]
+    return True

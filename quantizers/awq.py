@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from fw.errors import ConfigError
-from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod
+from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod, packed_int
 from fw.plugins import QuantizationMethodSpec, hookimpl
 from fw.quantizers._packing import (AWQ_REVERSE_ORDER, GROUPED_MAX_ROWS, check_bits, column_blocks, copy_checked,
-                                    grouped_matmul, left_unquantized, shard_columns, unpack_int32)
+                                    grouped_matmul, left_unquantized, repack_for_kernels, shard_columns,
+                                    unpack_int32)
 
 FW_PLUGIN_API_VERSION = "1.0"
 
@@ -102,6 +103,11 @@ class AWQLinearMethod(LinearMethod):
         else:
             raise ValueError(f"{what}: an AWQ layer has qweight, qzeros, scales and bias, not {param_name!r}")
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.packed_int = None
+        q, z, s = self.codes(layer, 0, layer.output_size)
+        repack_for_kernels(layer, q, z, s, self.group_size(layer), drop=("qzeros", "scales"))
+
     def codes(self, layer: Linear, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Output columns start:end (multiples of 8) as (int codes [in, n], float32 zeros [G, n],
         float32 scales [G, n]), in natural column order."""
@@ -117,6 +123,9 @@ class AWQLinearMethod(LinearMethod):
         return w.view(layer.input_size, end - start).to(dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed_int is not None:
+            out = packed_int.packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
+            return out if layer.bias is None else out + layer.bias
         out = x.new_empty(*x.shape[:-1], layer.output_size)
         grouped = x.dim() == 2 and x.shape[0] <= GROUPED_MAX_ROWS
         for a, b in column_blocks(layer.input_size, layer.output_size, PACK):

@@ -1,9 +1,12 @@
-"""The `gguf` quantization method: linear weights stay in their GGUF block
-format in memory and are dequantized per matmul in plain torch.
+"""The `gguf` quantization method: linear weights stay quantized in memory.
 
-Why: a Q4_1 model takes about a quarter of its bf16 size this way; the price is
-a dequantization of every weight on every forward pass (`--gguf-dequantize-at-load`
-trades the memory back for speed). The block layouts follow llama.cpp's
+On CPUs with AVX512-VNNI, Q4_0, Q4_1 and Q8_0 layers are repacked at load into
+fw's packed-int kernels' layout (fw.layers.packed_int: the codes and fp16
+scales exactly, activations quantized to int8 per block of 32, as llama.cpp
+does), and a tied Q8_0 embedding becomes the LM head that way too. Elsewhere,
+and for the other types, the GGUF blocks are kept and dequantized per matmul in
+plain torch (the reference path), unless the CPU default's `dense_fallback`
+dequantizes such layers once at load. The block layouts follow llama.cpp's
 ggml-quants.c as mirrored by the `gguf` library's numpy reference
 (`gguf/quants.py`); each dequantizer here is vectorized over all blocks of a
 layer. Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, and the float types F32, F16
@@ -17,6 +20,7 @@ separate row groups, dequantized one after the other into one matrix.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,11 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.errors import ModelLoadError
+from fw.layers import packed_int
+from fw.layers.dense import dense_linear, dense_logits, pack_dense_weight
 from fw.layers.gguf_weight import GGUFWeight
 from fw.layers.linear import Linear, LinearMethod
 from fw.plugins import QuantizationMethodSpec, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
+
+logger = logging.getLogger(__name__)
 
 QK_K = 256
 
@@ -113,6 +121,23 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return q.mul_((d * scales).reshape(n, 16, 1)).view(n, QK_K)
 
 
+def _q4_0_blocks(blocks: torch.Tensor) -> packed_int.QuantBlocks:
+    d = _f16(blocks, 0)
+    return packed_int.QuantBlocks(4, _nibbles(_field(blocks, 2, 18), 16), d, d * -8)
+
+
+def _q4_1_blocks(blocks: torch.Tensor) -> packed_int.QuantBlocks:
+    return packed_int.QuantBlocks(4, _nibbles(_field(blocks, 4, 20), 16), _f16(blocks, 0), _f16(blocks, 2))
+
+
+def _q8_0_blocks(blocks: torch.Tensor) -> packed_int.QuantBlocks:
+    return packed_int.QuantBlocks(8, _field(blocks, 2, 34).view(torch.int8), _f16(blocks, 0))
+
+
+# ggml types fw's packed-int kernels read exactly (fp16 scales and mins, 32-input blocks): blocks -> codes
+_PACKED_BLOCKS = {2: _q4_0_blocks, 3: _q4_1_blocks, 8: _q8_0_blocks}
+
+
 @dataclass(frozen=True)
 class _BlockType:
     name: str
@@ -159,20 +184,33 @@ class _Group:
 
 
 class GGUFLinearMethod(LinearMethod):
-    """Keeps GGUF blocks as uint8 bytes (`layer.weight`, flat) plus their row groups (`layer.gguf_groups`)."""
+    """Keeps GGUF blocks as uint8 bytes (`layer.weight`, flat) plus their row groups (`layer.gguf_groups`).
+
+    `dense_fallback` (the CPU default, where fw's packed-int kernels run): a layer whose types have no
+    kernel there (K-quants, IQ*, Q5_0, float types) is dequantized at load into the dense layout instead,
+    with one warning per type, as llama.cpp runs any file; named explicitly (`--quantization gguf`,
+    `--no-gguf-dequantize-at-load`) such layers stay packed on the reference path."""
 
     keeps_gguf_blocks = True  # tells the GGUF loader to hand linear weights on packed (`GGUFWeight`)
+
+    def __init__(self, dense_fallback: bool = False):
+        self.dense_fallback = dense_fallback
 
     def create_weights(self, layer: Linear) -> None:
         layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         layer.gguf_shards = {}
         layer.gguf_groups = []
+        layer.packed_int = None  # the kernels' layout, when _repack chose it at load
+        layer.dense = False  # dequantized at load by the dense fallback
 
     def load_weight(self, layer: Linear, param_name: str, tensor, shard: int | None) -> None:
         if param_name != "weight":
             raise ModelLoadError(f"{layer.prefix}.{param_name}: the gguf method has no parameter of that name")
         index = 0 if shard is None else shard
         rows = layer.output_sizes[index] if shard is not None else layer.output_size
+        if isinstance(tensor, GGUFWeight) and self.dense_fallback and tensor.ggml_type not in BLOCK_TYPES \
+                and tensor.ggml_type not in FLOAT_TYPES:
+            tensor = _dequantize_any(tensor)  # a type fw cannot keep packed: the gguf library's reference
         if isinstance(tensor, GGUFWeight):
             if tensor.ggml_type not in BLOCK_TYPES and tensor.ggml_type not in FLOAT_TYPES:
                 raise ModelLoadError(
@@ -210,9 +248,53 @@ class GGUFLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.cat(parts), requires_grad=False)
         layer.gguf_groups = groups
         layer.gguf_shards = {}
+        layer.packed_int = self._repack(layer)
+        if layer.packed_int is None and self.dense_fallback and packed_int.applies(layer.device, layer.input_size):
+            self._to_dense(layer)
+
+    def _to_dense(self, layer: Linear) -> None:
+        """The layer dequantized into fw's dense layout (the kernels run dense weights faster than any
+        per-matmul dequantization), saying once per type that it was."""
+        for g in layer.gguf_groups:
+            if not isinstance(g.kind, torch.dtype) and g.kind not in FLOAT_TYPES and g.kind not in _warned:
+                _warned.add(g.kind)
+                logger.warning("GGUF type %s has no packed kernel in fw: its layers are dequantized at load "
+                               "(%s first)", _type_name(g.kind), layer.prefix)
+        weight = self.dequantize(layer, layer.params_dtype)
+        layer.weight = nn.Parameter(pack_dense_weight(weight, layer.device, gate_up=layer.silu_gate_up
+                                                      and layer.bias is None), requires_grad=False)
+        layer.gguf_groups = []
+        layer.dense = True
+
+    @staticmethod
+    def keeps_tied_head(ggml_type: int, device: torch.device, cols: int) -> bool:
+        """A tied LM head stays in its GGUF blocks (the loader asks) where fw's packed-int kernels read them."""
+        return ggml_type in _PACKED_BLOCKS and packed_int.applies(device, cols)
+
+    def _repack(self, layer: Linear) -> list[packed_int.PackedWeight] | None:
+        """The layer in fw's packed-int kernels' layout where every row group has one (Q4_0, Q4_1, Q8_0) and
+        the kernels run on the layer's device; the GGUF bytes are then dropped. None: the reference path."""
+        if not (all(g.kind in _PACKED_BLOCKS for g in layer.gguf_groups)
+                and packed_int.applies(layer.device, layer.input_size)):
+            return None
+        packed = []
+        for g in layer.gguf_groups:
+            data = layer.weight[g.offset:g.offset + g.rows * g.row_bytes].view(-1, BLOCK_TYPES[g.kind].type_size)
+            blocks = _PACKED_BLOCKS[g.kind](data)
+            packed.append(packed_int.pack(packed_int.QuantBlocks(
+                blocks.bits, blocks.codes.view(g.rows, -1), blocks.scale.view(g.rows, -1),
+                None if blocks.offset is None else blocks.offset.view(g.rows, -1))))
+        layer.weight = nn.Parameter(torch.cat([p.data for p in packed]), requires_grad=False)
+        offset = 0
+        for i, p in enumerate(packed):  # the groups' bytes as views of the one parameter
+            packed[i] = packed_int.PackedWeight(p.bits, p.rows, p.cols, layer.weight.data[offset:offset + p.data.numel()])
+            offset += p.data.numel()
+        return packed
 
     def dequantize(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
         """The full [out, in] weight in `dtype` (float32 arithmetic for block types)."""
+        if layer.packed_int is not None:
+            raise RuntimeError(f"{layer.prefix}: repacked for fw's packed-int kernels; the GGUF blocks are gone")
         flat = layer.weight
         mats = []
         for g in layer.gguf_groups:
@@ -221,7 +303,42 @@ class GGUFLinearMethod(LinearMethod):
         return mats[0] if len(mats) == 1 else torch.cat(mats)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.dense:
+            return dense_logits(x, layer.weight, layer.bias) if layer.fp32_out else dense_linear(x, layer.weight,
+                                                                                                layer.bias)
+        if layer.packed_int is not None:
+            out = packed_int.packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
+            return out if layer.bias is None else out + layer.bias
         return F.linear(x, self.dequantize(layer, x.dtype), layer.bias)
+
+
+_warned: set[int] = set()  # GGUF types already reported as dequantized at load, once per process
+
+
+def _type_name(kind: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(kind).name
+    except ValueError:
+        return f"type {kind}"
+
+
+def _dequantize_any(tensor: GGUFWeight) -> torch.Tensor:
+    """A packed weight of any ggml type, dequantized by the gguf library (float32 [rows, cols])."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        array = dequantize(tensor.data.numpy(), GGMLQuantizationType(tensor.ggml_type))
+    except Exception as exc:
+        raise ModelLoadError(f"GGUF tensor type {tensor.type_name} could not be dequantized: {exc}") from None
+    if tensor.ggml_type not in _warned:
+        _warned.add(tensor.ggml_type)
+        logger.warning("GGUF type %s has no packed kernel in fw: its layers are dequantized at load",
+                       tensor.type_name)
+    return torch.from_numpy(np.ascontiguousarray(array).reshape(tensor.shape))
 
 
 def _detects(quant_config: dict) -> bool:
@@ -232,7 +349,7 @@ def _detects(quant_config: dict) -> bool:
 def fw_register_quantization_methods(register) -> None:
     register(QuantizationMethodSpec(
         name="gguf",
-        factory=lambda quant_config: GGUFLinearMethod(),
+        factory=lambda quant_config: GGUFLinearMethod(dense_fallback=bool(quant_config.get("dense_fallback"))),
         detects=_detects,
         devices=("cpu", "cuda"),
         description="GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept packed, dequantized per matmul",

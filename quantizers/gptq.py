@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from fw.errors import ConfigError
-from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod
+from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod, packed_int
 from fw.plugins import QuantizationMethodSpec, hookimpl
 from fw.quantizers._packing import (GROUPED_MAX_ROWS, check_bits, column_blocks, copy_checked, grouped_matmul,
-                                    left_unquantized, shard_columns, unpack_int32)
+                                    left_unquantized, repack_for_kernels, shard_columns, unpack_int32)
 
 FW_PLUGIN_API_VERSION = "1.0"
 
@@ -143,6 +143,10 @@ class GPTQLinearMethod(LinearMethod):
         layer.gptq_even = layer.gptq_contiguous and layer.input_size % size == 0
         layer.gptq_group_size = size
         layer.gptq_shared_g_idx = bool((g_idx == g_idx[:1]).all())
+        layer.packed_int = None
+        if self.config.bits == 4 and layer.gptq_even:  # act-order layers keep the reference path
+            q, z, s = self.codes(layer, 0, layer.output_size)
+            repack_for_kernels(layer, q, z, s, size, drop=("qzeros", "scales", "g_idx"))
 
     def codes(self, layer: Linear, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Output columns start:end as (int codes [in, n], float32 zeros [G, n], float32 scales [G, n])."""
@@ -163,6 +167,9 @@ class GPTQLinearMethod(LinearMethod):
         return ((q.float() - z[g]) * s[g]).to(dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed_int is not None:
+            out = packed_int.packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
+            return out if layer.bias is None else out + layer.bias
         pack = 32 // self.config.bits
         out = x.new_empty(*x.shape[:-1], layer.output_size)
         if layer.gptq_contiguous or layer.gptq_shared_g_idx:

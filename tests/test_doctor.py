@@ -122,8 +122,12 @@ def test_smollm2_json(capsys, smollm2):
     assert attention["requirements"]["head_size"] == 64 and attention["requirements"]["device"] == "cpu"
     assert sel["moe_kernel"] == {"skipped": "not a Mixture-of-Experts model: no MoE kernel is needed"}
     quant = sel["quantization_method"]
-    assert quant["gguf_weights"] == "dequantized at load" and quant["chosen"] is None  # CPU default
-    assert config_row(report, "gguf_dequantize_at_load")["resolved"]["value"] is True
+    from fw.layers import packed_int
+
+    kernels = packed_int.ready()  # the CPU default: kept packed where fw's packed-int kernels run
+    assert quant["gguf_weights"] == ("kept packed" if kernels else "dequantized at load")
+    assert quant["chosen"] == ("gguf" if kernels else None)
+    assert config_row(report, "gguf_dequantize_at_load")["resolved"]["value"] is (not kernels)
     model_row = config_row(report, "model")
     assert model_row["value"] is None and model_row["source"] == "default"
     assert model_row["resolved"]["value"] == smollm2 and "bundled SmolLM2" in model_row["resolved"]["because"]

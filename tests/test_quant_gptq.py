@@ -63,6 +63,13 @@ def dequantize(tensors: dict, name: str, bits: int, v1: bool) -> torch.Tensor:
     return torch.from_numpy((s[g] * (q - z[g])).T.copy()).float()
 
 
+@pytest.fixture(autouse=True)
+def reference_path(monkeypatch):
+    """The plain-torch path, exactly (fw's packed-int kernels quantize activations to int8; their tests are
+    in test_quant_int4_kernels.py)."""
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
+
+
 @pytest.fixture(scope="module")
 def float_model(tokenizer):
     return qc.float_llama(tokenizer)

@@ -25,7 +25,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(str(GGUF), dtype="float32", kv_cache_memory="256MiB")
+    # dequantized at load: the reference path, whose fp32 tokens equal transformers' (the packed-int kernels
+    # quantize activations to int8, as llama.cpp does; tests/test_quant_gguf.py holds them to their bounds)
+    return LLM(str(GGUF), dtype="float32", kv_cache_memory="256MiB", gguf_dequantize_at_load=True)
 
 
 @pytest.fixture(scope="module")

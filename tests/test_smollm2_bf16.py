@@ -35,7 +35,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def fw_outputs():
-    llm = LLM(str(GGUF), dtype="bfloat16", kv_cache_memory="128MiB")
+    llm = LLM(str(GGUF), dtype="bfloat16", kv_cache_memory="128MiB", gguf_dequantize_at_load=True)  # dense parity
     prompts = [llm.tokenizer(p).input_ids for p in PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=5, ignore_eos=True))

@@ -96,16 +96,6 @@ def progress_bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False)
 
 
-def run_iterations(measure, prompts: list[list[int]], warmup: int, desc: str, progress: bool) -> list[dict]:
-    """`measure(prompt)` for each prompt; the first `warmup` results are dropped."""
-    results = []
-    with progress_bar(len(prompts), desc, progress) as bar:
-        for prompt in prompts:
-            results.append(measure(prompt))
-            bar.update(1)
-    return results[warmup:]
-
-
 def latency_summary(iterations: list[dict]) -> dict[str, Any]:
     """Medians over iterations (ms and tok/s), with the full statistics and the raw iterations."""
     ttft = [r["ttft_s"] * 1000 for r in iterations]
@@ -160,8 +150,10 @@ def model_info(llm) -> dict[str, Any]:
             "dtype": str(loaded.dtype).removeprefix("torch."), "attention_backend": loaded.attention.chosen.name}
 
 
-class Baseline:
+class TransformersBaseline:
     """The transformers model on fw's weights, dtype and device, loaded once per run."""
+
+    name = "transformers"
 
     def __init__(self, llm, progress: bool = True):
         from fw.bench import hf_baseline
@@ -176,57 +168,87 @@ class Baseline:
         self.model = hf_baseline.load_model(loaded.source, loaded.dtype, loaded.device)
         self.pad_id = hf_baseline.pad_token_id(self.model, llm.tokenizer)
 
+    def latency_iteration(self, prompt: list[int], output_len: int) -> dict[str, Any]:
+        return self.hf.latency_iteration(self.model, prompt, output_len, self.pad_id)
+
+    def throughput(self, prompts: list[list[int]], output_len: int, batch_size: int, progress=None) -> dict:
+        return self.hf.throughput(self.model, prompts, output_len, batch_size, self.pad_id, progress)
+
+    def warm_up(self, prompts: list[list[int]], batch_size: int) -> None:
+        self.throughput(prompts, 4, batch_size)
+
     def describe(self) -> dict[str, Any]:
         return self.hf.describe(self.model)
 
 
-def warm_up(llm, baseline: Baseline | None, prompts: list[list[int]], batch_size: int) -> None:
+BASELINES = ("none", "transformers", "llama.cpp")
+
+
+def make_baseline(kind: str, llm, llama_cpp_bin: str | None = None, progress: bool = True):
+    """None, or the baseline `kind` names on fw's model (the same file, dtype, device and threads)."""
+    if kind in (None, "none", False):
+        return None
+    if kind in ("transformers", True):
+        return TransformersBaseline(llm, progress)
+    if kind == "llama.cpp":
+        import torch
+
+        from fw.bench.llamacpp_baseline import LlamaCppBaseline
+
+        return LlamaCppBaseline(llama_cpp_bin, llm.engine.loaded.source.path, torch.get_num_threads())
+    raise BenchError(f"--baseline must be one of {', '.join(BASELINES)}; got {kind!r}")
+
+
+def warm_up(llm, baseline, prompts: list[list[int]], batch_size: int) -> None:
     """The workload's shapes, a few tokens long, through each: one-time costs (the allocator's first
     touch of memory, oneDNN's kernel choice per matrix shape) stay out of the figures. The prompts must
     differ from the measured ones, or fw's prefix cache would serve the measured prefills."""
     llm.generate(prompts, fw_params(4))
-    if baseline is not None:
-        baseline.hf.throughput(baseline.model, prompts, 4, batch_size, baseline.pad_id)
+    if baseline is not None and hasattr(baseline, "warm_up"):
+        baseline.warm_up(prompts, batch_size)
 
 
 def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_iters_warmup: int,
-                  baseline: bool, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+                  baseline: str | None = "none", llama_cpp_bin: str | None = None, seed: int = 0,
+                  progress: bool = True) -> dict[str, Any]:
     """One request at a time, `num_iters_warmup + num_iters` times, each with its own prompt (a repeated
-    prompt would be served from fw's prefix cache); medians over the measured iterations."""
+    prompt would be served from fw's prefix cache), fw and the baseline taking turns iteration by
+    iteration (the machine's speed drifts); medians over the measured iterations."""
     if num_iters < 1 or num_iters_warmup < 0 or output_len < 1:
         raise BenchError("--num-iters and --output-len must be at least 1, --num-iters-warmup at least 0")
     prompts = make_prompts(llm.tokenizer, [input_len] * (num_iters_warmup + num_iters), seed)
-    fw_runs = run_iterations(lambda p: fw_latency_iteration(llm, p, output_len), prompts, num_iters_warmup,
-                             "fw", progress)
-    fw = latency_summary(fw_runs)
-    base = base_info = None
-    if baseline:
-        hf = Baseline(llm, progress)
-        base_info = hf.describe()
-        base_runs = run_iterations(lambda p: hf.hf.latency_iteration(hf.model, p, output_len, hf.pad_id),
-                                   prompts, num_iters_warmup, "transformers", progress)
-        base = latency_summary(base_runs)
+    base = make_baseline(baseline, llm, llama_cpp_bin, progress)
+    fw_runs, base_runs = [], []
+    with progress_bar(len(prompts), "fw" if base is None else f"fw and {base.name}", progress) as bar:
+        for prompt in prompts:
+            fw_runs.append(fw_latency_iteration(llm, prompt, output_len))
+            if base is not None:
+                base_runs.append(base.latency_iteration(prompt, output_len))
+            bar.update(1)
+    fw = latency_summary(fw_runs[num_iters_warmup:])
+    base_summary = latency_summary(base_runs[num_iters_warmup:]) if base is not None else None
     keys = [k for k, _ in LATENCY_METRICS]
     return {"benchmark": "latency", **model_info(llm),
             "workload": {"input_len": input_len, "output_len": output_len, "num_iters": num_iters,
                          "num_iters_warmup": num_iters_warmup, "seed": seed},
-            "environment": environment(llm), "fw": fw, "baseline": base, "baseline_info": base_info,
-            "ratios": ratios(fw, base, keys)}
+            "environment": environment(llm), "fw": fw, "baseline": base_summary,
+            "baseline_info": base.describe() if base is not None else None,
+            "ratios": ratios(fw, base_summary, keys)}
 
 
 def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: float, output_len: int,
-                     baseline: bool, baseline_batch_size: int = 64, seed: int = 0, num_passes: int = 1,
-                     progress: bool = True) -> dict[str, Any]:
-    """All prompts to fw at once; the baseline in static batches of `baseline_batch_size`. With several
-    passes, fw and the baseline take turns (fw, baseline, fw, ...), each pass on new prompts of the same
-    lengths (repeats would hit fw's prefix cache), so a machine whose speed drifts slows both alike; the
-    figures are each side's median pass."""
+                     baseline: str | None = "none", llama_cpp_bin: str | None = None, baseline_batch_size: int = 64,
+                     seed: int = 0, num_passes: int = 1, progress: bool = True) -> dict[str, Any]:
+    """All prompts to fw at once; the transformers baseline in static batches of `baseline_batch_size`,
+    llama.cpp's batched bench with all sequences at once. With several passes, fw and the baseline take
+    turns (fw, baseline, fw, ...), each pass on new prompts of the same lengths (repeats would hit fw's
+    prefix cache), so a machine whose speed drifts slows both alike; the figures are each side's median pass."""
     if num_prompts < 1 or output_len < 1 or baseline_batch_size < 1 or num_passes < 1:
         raise BenchError("--num-prompts, --output-len, --baseline-batch-size and --num-passes must be at least 1")
     lengths = throughput_lengths(input_len, input_len_range, num_prompts, seed)
     input_tokens = sum(lengths)
-    hf = Baseline(llm, progress) if baseline else None
-    warm_up(llm, hf, make_prompts(llm.tokenizer, lengths, seed + 1), baseline_batch_size)
+    base = make_baseline(baseline, llm, llama_cpp_bin, progress)
+    warm_up(llm, base, make_prompts(llm.tokenizer, lengths, seed + 1), baseline_batch_size)
     fw_passes: list[dict[str, Any]] = []
     base_passes: list[dict[str, Any]] = []
     for i in range(num_passes):
@@ -235,18 +257,18 @@ def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: 
             print(f"fw: {num_prompts} prompts x {output_len} tokens (pass {i + 1} of {num_passes}) ...",
                   file=sys.stderr)
         fw_passes.append(throughput_summary(fw_throughput(llm, prompts, output_len), num_prompts, input_tokens))
-        if hf is not None:
-            with progress_bar(num_prompts, "transformers", progress) as bar:
-                measured = hf.hf.throughput(hf.model, prompts, output_len, baseline_batch_size, hf.pad_id, bar)
+        if base is not None:
+            with progress_bar(num_prompts, base.name, progress) as bar:
+                measured = base.throughput(prompts, output_len, baseline_batch_size, bar)
             base_passes.append(throughput_summary(measured, num_prompts, input_tokens))
-    fw, base = median_pass(fw_passes), median_pass(base_passes) if base_passes else None
+    fw, base_summary = median_pass(fw_passes), median_pass(base_passes) if base_passes else None
     keys = [k for k, _ in THROUGHPUT_METRICS]
     return {"benchmark": "throughput", **model_info(llm),
             "workload": {"num_prompts": num_prompts, "input_len": input_len, "input_len_range": input_len_range,
                          "min_input_len": min(lengths), "max_input_len": max(lengths), "output_len": output_len,
                          "baseline_batch_size": baseline_batch_size, "seed": seed, "num_passes": num_passes},
-            "environment": environment(llm), "fw": fw, "baseline": base,
-            "baseline_info": hf.describe() if hf else None, "ratios": ratios(fw, base, keys),
+            "environment": environment(llm), "fw": fw, "baseline": base_summary,
+            "baseline_info": base.describe() if base is not None else None, "ratios": ratios(fw, base_summary, keys),
             "passes": {"fw": fw_passes, "baseline": base_passes or None}}
 
 

@@ -97,9 +97,12 @@ def _configure_offline(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
     w = p.add_argument_group("workload")
     w.add_argument("--output-len", type=int, default=128, help="Tokens generated per request (default 128).")
-    w.add_argument("--baseline", choices=("none", "transformers"), default="none",
-                   help="Also run the workload on transformers (same weights, dtype, prompts) and print "
-                        "fw/baseline ratios (default none).")
+    w.add_argument("--baseline", choices=("none", "transformers", "llama.cpp"), default="none",
+                   help="Also run the workload on transformers (same weights, dtype, prompts) or on llama.cpp's "
+                        "own benchmark binaries (the same GGUF file, needs --llama-cpp-bin), taking turns with fw, "
+                        "and print fw/baseline ratios (default none).")
+    w.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
+                   help="The folder with llama.cpp's llama-bench and llama-batched-bench (--baseline llama.cpp).")
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None, help="Write fw's figures, the baseline's and their ratios here.")
     o.add_argument("--no-progress", action="store_true", help="No progress bars on stderr.")
@@ -151,8 +154,8 @@ def run_offline(args: argparse.Namespace) -> int:
     if config.model is None:
         config.model = default_model()
     llm = LLM(**vars(config))
-    common = dict(output_len=args.output_len, baseline=args.baseline == "transformers", seed=config.seed,
-                  progress=not args.no_progress)
+    common = dict(output_len=args.output_len, baseline=args.baseline, llama_cpp_bin=args.llama_cpp_bin,
+                  seed=config.seed, progress=not args.no_progress)
     if args.bench_action == "latency":
         report = offline.bench_latency(llm, input_len=args.input_len, num_iters=args.num_iters,
                                        num_iters_warmup=args.num_iters_warmup, **common)

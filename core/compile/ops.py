@@ -103,14 +103,15 @@ def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer
 _lock = threading.Lock()
 _fused_faked = False
 _dense_faked = False
+_packed_int_faked = False
 _packed_ready = False
 
 
 def register_fused_cpu_fakes() -> None:
-    """Fake (shape-only) kernels for fw.layers.cpu_ops and fw.layers.dense's bf16 matmul, once they are
-    built: each cpu_ops op writes into an argument and returns nothing, so its fake does nothing."""
-    global _fused_faked, _dense_faked
-    from fw.layers import cpu_ops, dense
+    """Fake (shape-only) kernels for fw.layers.cpu_ops, fw.layers.dense's bf16 matmul and fw.layers.packed_int,
+    once they are built: each cpu_ops op writes into an argument and returns nothing, so its fake does nothing."""
+    global _fused_faked, _dense_faked, _packed_int_faked
+    from fw.layers import cpu_ops, dense, packed_int
 
     with _lock:
         if not _fused_faked and cpu_ops.ready():
@@ -121,11 +122,19 @@ def register_fused_cpu_fakes() -> None:
             torch.library.register_fake("fw_dense::linear_bf16")(_dense_bf16_fake)
             torch.library.register_fake("fw_dense::linear_bf16_gated")(_dense_gate_up_fake)
             _dense_faked = True
+        if not _packed_int_faked and packed_int.ready():
+            for name in ("linear_q4", "linear_q8"):
+                torch.library.register_fake(f"fw_packed_int::{name}")(_packed_int_fake)
+            _packed_int_faked = True
 
 
 def _dense_bf16_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      fp32_out: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
+
+
+def _packed_int_fake(x: torch.Tensor, weight: torch.Tensor, rows: int, fp32_out: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], rows, dtype=torch.float32 if fp32_out else x.dtype)
 
 
 def _dense_gate_up_fake(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:

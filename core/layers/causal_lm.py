@@ -34,6 +34,7 @@ class CausalLM(nn.Module):
         self.tie = bool(getattr(cfg, "tie_word_embeddings", tie_by_default))
         if not self.tie:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
+            self.lm_head.fp32_out = True
         self.device = ctx.device
         self.tied_head: torch.Tensor | None = None  # the embedding packed for CPU matmuls, after loading
 

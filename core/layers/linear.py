@@ -85,6 +85,9 @@ class Linear(nn.Module):
         # set by a SiLU MLP before loading: the output is [gate | up], so the unquantized method may pack
         # the weight for fw.layers.dense_silu_mul (fw's bf16 CPU kernel fuses the activation)
         self.silu_gate_up = False
+        # set on an LM head: a method whose kernel can leave the sums in fp32 does (bf16 logits tie and flip
+        # greedy choices); others return the model dtype
+        self.fp32_out = False
         self.method = ctx.linear_method_for(prefix)
         self.method.create_weights(self)
         if bias:

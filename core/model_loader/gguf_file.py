@@ -135,20 +135,31 @@ class GGUFModel:
                 shutil.rmtree(tmp, ignore_errors=True)
         return AutoTokenizer.from_pretrained(str(cached))
 
-    def iter_weights(self, dtype: torch.dtype, keep_packed: Callable[[str], bool] | None = None
-                     ) -> Iterator[tuple[str, "torch.Tensor | GGUFWeight"]]:
+    def tensor_type(self, gguf_name: str) -> int | None:
+        """The ggml type id of a tensor (say "token_embd.weight"), or None if the file has no such tensor."""
+        return next((int(t.tensor_type) for t in self.reader.tensors if t.name == gguf_name), None)
+
+    def iter_weights(self, dtype: torch.dtype, keep_packed: Callable[[str], bool] | None = None,
+                     head_from_embedding: bool = False) -> Iterator[tuple[str, "torch.Tensor | GGUFWeight"]]:
         """(HF name, tensor) pairs, dequantized to `dtype`; names for which `keep_packed(name)` is true
-        come as `GGUFWeight` (block bytes, one row per output row) instead, whatever their type."""
+        come as `GGUFWeight` (block bytes, one row per output row) instead, whatever their type.
+        `head_from_embedding`: the tied embedding also comes packed as `lm_head.weight` (the head keeps
+        its blocks; the embedding's rows are looked up dense)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         for t in self.reader.tensors:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
             name = hf_tensor_name(t.name)
-            if keep_packed is not None and len(shape) == 2 and keep_packed(name):
+            packed = (keep_packed is not None and len(shape) == 2 and keep_packed(name)) or (
+                head_from_embedding and t.name == "token_embd.weight")
+            if packed:
                 data = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True).reshape(shape[0], -1))
-                yield name, GGUFWeight(data, int(t.tensor_type), t.tensor_type.name, shape)
-                continue
+                weight = GGUFWeight(data, int(t.tensor_type), t.tensor_type.name, shape)
+                if t.name != "token_embd.weight":
+                    yield name, weight
+                    continue
+                yield "lm_head.weight", weight
             try:
                 if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                     array = np.array(t.data)  # a copy: the memory map is read-only

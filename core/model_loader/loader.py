@@ -12,7 +12,7 @@ import torch
 
 from fw.config import EngineConfig
 from fw.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError, UnsupportedConfigurationError
-from fw.layers import cpu_ops, dense
+from fw.layers import cpu_ops, dense, packed_int
 from fw.layers.context import ModelContext
 from fw.model_loader.attention_needs import check_built_layers, logit_softcap_needed, sliding_window_needed
 from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
@@ -187,6 +187,9 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     attention = select_attention_backend(plugins.registry("attention_backend"), req, name)
 
     quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins, device, gguf is not None)
+    head_from_embedding = gguf is not None and _keeps_tied_head(gguf, hf_config, linear_method, device)
+    if head_from_embedding:
+        hf_config.tie_word_embeddings = False  # the LM head gets the embedding's blocks as a linear of its own
     lap(startup.RESOLVE)
     cpu_ops.prepare(device)  # fused CPU layer ops, built (or loaded from the cache) before the model
     dense.prepare(device, dtype)  # and fw's bf16 matmul kernel for a bf16 model
@@ -199,8 +202,8 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     check_built_layers(model, attention.chosen)
     if quant_name is not None and gguf is None and getattr(hf_config, "quantization_config", None):
         check_expert_tensors(model, source.path, quant_name, arch.name)
-    weights = _gguf_weights(cfg, gguf, arch, hf_config, dtype, linear_method) if gguf is not None \
-        else iter_safetensors(source.path)
+    weights = _gguf_weights(cfg, gguf, arch, hf_config, dtype, linear_method, head_from_embedding) \
+        if gguf is not None else iter_safetensors(source.path)
     kv_scales = KvScales()
     weights = kv_scales.filter(weights)
     try:
@@ -221,13 +224,23 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
                        eos_ids(hf_config, tokenizer, source), kv_cache_dtype=kv_dtype)
 
 
+def _keeps_tied_head(gguf: GGUFModel, hf_config, linear_method, device: torch.device) -> bool:
+    """A tied LM head keeps the embedding's GGUF blocks when the method that keeps GGUF blocks has a fast
+    kernel for their type on this device (the `gguf` plugin's `keeps_tied_head`): the head is the largest
+    single weight, and its dense copy would read twice the bytes per token."""
+    keeps = getattr(linear_method, "keeps_tied_head", None)
+    kind = gguf.tensor_type("token_embd.weight")
+    return (getattr(hf_config, "tie_word_embeddings", False) and getattr(linear_method, "keeps_gguf_blocks", False)
+            and keeps is not None and kind is not None and keeps(kind, device, hf_config.hidden_size))
+
+
 def _gguf_weights(cfg: EngineConfig, gguf: GGUFModel, arch: ArchitectureSpec, hf_config, dtype: torch.dtype,
-                  linear_method):
+                  linear_method, head_from_embedding: bool = False):
     """A GGUF file's tensors: linear weights still packed for a method that keeps GGUF blocks (the `gguf`
     plugin), all dequantized otherwise (--gguf-dequantize-at-load, or --quantization NAME, whose method
     then quantizes the float tensors its own way); q/k rows re-ordered per --rope-type."""
     keep = is_packable_linear if getattr(linear_method, "keeps_gguf_blocks", False) else None
-    weights = gguf.iter_weights(dtype, keep_packed=keep)
+    weights = gguf.iter_weights(dtype, keep_packed=keep, head_from_embedding=head_from_embedding)
     transform = weight_transform(cfg.rope_type, arch.gguf_weight_transform)
     if transform is not None:
         weights = ((n, transform_weight(transform, n, t, hf_config)) for n, t in weights)
@@ -235,12 +248,19 @@ def _gguf_weights(cfg: EngineConfig, gguf: GGUFModel, arch: ArchitectureSpec, hf
 
 
 def gguf_dequantizes_at_load(cfg: EngineConfig, device: torch.device) -> bool:
-    """`--gguf-dequantize-at-load`, or when not given: on CPU yes (the gguf method's plain-torch
-    dequantize-per-matmul decodes SmolLM2 at 14.8 tok/s against 92.3 on dense weights), elsewhere no
-    (device memory is the scarce resource there). `--quantization gguf` always keeps weights packed."""
+    """`--gguf-dequantize-at-load`, or when not given: no where fw's packed-int CPU kernels run (they decode
+    a Q4_1 SmolLM2 faster than its dense weights; types without a kernel are dequantized layer by layer,
+    see `gguf_dense_fallback`); yes on other CPUs (the plain-torch dequantize-per-matmul decodes at 14.8 tok/s
+    against 92.3 dense); no elsewhere (device memory is the scarce resource there). `--quantization gguf`
+    always keeps weights packed."""
     if cfg.gguf_dequantize_at_load is not None:
         return cfg.gguf_dequantize_at_load
-    return device.type == "cpu" and cfg.quantization != "gguf"
+    return device.type == "cpu" and cfg.quantization != "gguf" and not packed_int.ready()
+
+
+def gguf_dense_fallback(cfg: EngineConfig, device: torch.device) -> bool:
+    """Kept packed by default on a CPU with the kernels: layers of a type without one go dense at load."""
+    return cfg.gguf_dequantize_at_load is None and cfg.quantization is None and device.type == "cpu"
 
 
 def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins: PluginManager,
@@ -253,7 +273,8 @@ def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins:
         raise ConfigError("--quantization gguf keeps GGUF weights packed; --gguf-dequantize-at-load dequantizes "
                           "them: pass one of the two")
     if gguf_source and not gguf_dequantizes_at_load(cfg, device) and cfg.quantization is None:
-        qcfg = {"quant_method": "gguf"}  # a GGUF file is its own quantization config: weights stay packed
+        # a GGUF file is its own quantization config: weights stay packed
+        qcfg = {"quant_method": "gguf", "dense_fallback": gguf_dense_fallback(cfg, device)}
     name = cfg.quantization
     if name is None and qcfg:
         matches = [s for s in registry if s.detects is not None and s.detects(qcfg)]

@@ -1,0 +1,155 @@
+"""Linear products on block-quantized weights kept packed: 4-bit (w = d * q + m, q in 0..15) and 8-bit
+(w = d * q), blocks of 32 inputs, on CPUs with AVX512-VNNI (packed_int.cpp: layout and numerics).
+
+Why one family: GGUF Q4_0/Q4_1, GPTQ and AWQ 4-bit are all 4-bit groups with a scale and a zero or min, and
+GGUF Q8_0 and row-wise int8 are 8-bit blocks with a scale; a quantization method converts its format to
+`QuantBlocks` once at load, `pack` lays it out for the kernel, and `packed_linear` runs it. The activations
+are quantized to int8 per block of 32 inside the kernel (W4A8 / W8A8, as llama.cpp's CPU path).
+
+`FW_CPU_PACKED_INT=0` turns the kernels off (methods keep their reference paths).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fw.cpp_ops import DEFAULT_CFLAGS, load_cpp_ops, missing_toolchain
+from fw.errors import FwError
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("packed_int.cpp")  # package data
+BLOCK = 32  # inputs per block
+TILE = 16  # output rows per tile
+RECORD_BYTES = {4: 320, 8: 608}  # bytes per (tile, block): codes, fp16 scales, fp16 offsets or code sums
+_state: bool | None = None  # None: not tried yet
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """A weight [N, K] as codes and per-(row, block of 32) scales: w = scale * code (+ offset, 4-bit)."""
+
+    bits: int  # 4: codes uint8 in 0..15 with an offset; 8: codes int8 in -127..127, no offset
+    codes: torch.Tensor  # [N, K]
+    scale: torch.Tensor  # [N, K / 32], fp16 or representable in it
+    offset: torch.Tensor | None = None  # [N, K / 32] (4-bit)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: the reference the kernels are tested against."""
+        n, k = self.codes.shape
+        w = self.codes.float().view(n, k // BLOCK, BLOCK) * self.scale.half().float().unsqueeze(-1)
+        if self.offset is not None:
+            w += self.offset.half().float().unsqueeze(-1)
+        return w.view(n, k)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in the kernels' layout: `data` is uint8, rows x cols weights of `bits` bits."""
+
+    bits: int
+    rows: int
+    cols: int
+    data: torch.Tensor
+
+
+def wanted() -> bool:
+    """This CPU has AVX512-VNNI and the kernels are not turned off."""
+    from fw.model_loader.hardware import this_cpu_flags  # lazy: the loader imports fw.layers
+
+    if os.environ.get("FW_CPU_PACKED_INT", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return {"avx512_vnni", "avx512bw", "avx512vl", "f16c"} <= set(this_cpu_flags())
+
+
+def ready() -> bool:
+    """The kernels are wanted (read on every call) and built (once per process, from the build cache when warm)."""
+    global _state
+    if not wanted():
+        return False
+    if _state is None:
+        _state = False
+        why = missing_toolchain()
+        if why is not None:
+            logger.warning("fw's packed int kernels unavailable (%s); quantized weights use the reference path", why)
+            return False
+        try:
+            load_cpp_ops("packed_int", SOURCE, DEFAULT_CFLAGS)
+            _state = bool(torch.ops.fw_packed_int.available())
+        except FwError as exc:
+            logger.warning("fw's packed int kernels unavailable (%s); quantized weights use the reference path", exc)
+    return _state
+
+
+def applies(device: torch.device | str, cols: int) -> bool:
+    """A weight of `cols` inputs that will run on `device` can be packed (and the kernels are here)."""
+    return torch.device(device).type == "cpu" and cols % BLOCK == 0 and ready()
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] padded with zero rows to a multiple of 16, viewed [N / 16, 16, ...]."""
+    pad = -t.shape[0] % TILE
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+    return t.view(-1, TILE, *t.shape[1:])
+
+
+def _half_bytes(v: torch.Tensor) -> torch.Tensor:
+    """[N, KB] values as fp16 -> [NT, KB, 32] bytes (the tile's 16 rows side by side per block)."""
+    return _tiles(v.to(torch.float16)).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+
+def pack(blocks: QuantBlocks) -> PackedWeight:
+    """`blocks` in the kernels' layout (packed_int.cpp)."""
+    n, k = blocks.codes.shape
+    if k % BLOCK:
+        raise ValueError(f"packed weights need inputs in blocks of {BLOCK}; this weight has {k}")
+    kb = k // BLOCK
+    if blocks.bits == 4:
+        q = _tiles(blocks.codes.to(torch.uint8)).view(-1, TILE, kb, 4, 2, 4)  # [tile, row, block, p, half, t]
+        nibbles = q[..., 0, :] | (q[..., 1, :] << 4)  # [tile, row, block, p, t]
+        codes = nibbles.permute(0, 2, 3, 1, 4).reshape(-1, kb, 256)
+        record = torch.cat([codes, _half_bytes(blocks.scale), _half_bytes(blocks.offset)], dim=2)
+    elif blocks.bits == 8:
+        q = _tiles(blocks.codes.to(torch.int8)).view(-1, TILE, kb, 8, 4)  # [tile, row, block, quad, t]
+        codes = q.permute(0, 2, 3, 1, 4).reshape(-1, kb, 512).view(torch.uint8)
+        sums = q.sum(dim=(3, 4), dtype=torch.int32).mul_(128)  # [tile, row, block]
+        correction = sums.permute(0, 2, 1).contiguous().view(torch.uint8)  # [tile, block, 64 bytes]
+        record = torch.cat([codes, _half_bytes(blocks.scale), correction], dim=2)
+    else:
+        raise ValueError(f"no packed kernel for {blocks.bits}-bit weights")
+    return PackedWeight(blocks.bits, n, k, record.contiguous().view(-1))
+
+
+def packed_linear(x: torch.Tensor, weights: list[PackedWeight], fp32_out: bool = False) -> torch.Tensor:
+    """x [..., K] times the packed weights stacked by rows (a fused layer may hold several formats)."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.dtype not in (torch.float32, torch.bfloat16):
+        flat = flat.float()
+    outs = [(torch.ops.fw_packed_int.linear_q4 if w.bits == 4 else torch.ops.fw_packed_int.linear_q8)(
+        flat, w.data, w.rows, fp32_out) for w in weights]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if not fp32_out and out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out.view(*lead, out.shape[-1])
+
+
+def quantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """x [M, K] as the kernels see it: each block of 32 rounded to int8 codes times amax / 127 (float32)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    return ((blocks * inv).round() * (amax / 127)).view(m, k)
+
+
+def reference_linear(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
+    """The kernels' result computed plainly (float64): quantized activations times the dequantized weight.
+    Tests hold the kernels to this within fp32 rounding, and to x @ W^T within the activations' rounding."""
+    return quantize_activations(x.reshape(-1, x.shape[-1])).double() @ blocks.dequantize().double().T

@@ -1,0 +1,101 @@
+"""fw's packed-int CPU kernels (fw.layers.packed_int): 4-bit (w = d q + m) and 8-bit (w = d q) blocks of 32,
+activations quantized to int8 per block inside the kernel.
+
+Two references: `reference_linear` (the activations quantized the kernel's way, then a float64 product with
+the dequantized weight), which the kernels must meet within fp32 rounding; and the plain dequantize-then-
+matmul x @ W^T, which they meet within the activations' int8 rounding. Shapes are ragged: M rows around
+the kernel's 4-row passes, N around its 16-row tiles, K a multiple of the 32-input block but not of 64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fw.layers import packed_int
+
+pytestmark = pytest.mark.skipif(not packed_int.ready(), reason="no AVX512-VNNI CPU or no C++ toolchain")
+
+SHAPES = [(1, 16, 32), (2, 17, 64), (7, 100, 96), (8, 576, 576), (9, 33, 1536), (64, 960, 160), (300, 50, 128)]
+
+
+def _blocks(bits: int, n: int, k: int, gen: torch.Generator) -> packed_int.QuantBlocks:
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).half().float()
+    if bits == 4:
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        return packed_int.QuantBlocks(4, codes, scale, (torch.randn(n, k // 32, generator=gen) * 0.1).half().float())
+    return packed_int.QuantBlocks(8, torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
+def test_kernel_matches_references(m, n, k, bits, dtype):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k + bits)
+    blocks = _blocks(bits, n, k, gen)
+    weight = packed_int.pack(blocks)
+    x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4).to(dtype)
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by it
+    out = packed_int.packed_linear(x, [weight])
+    assert out.dtype == dtype and out.shape == (m, n)
+    got = packed_int.packed_linear(x, [weight], fp32_out=True).double()
+    emulated = packed_int.reference_linear(x, blocks)
+    assert (got - emulated).abs().max() <= 1e-5 * emulated.abs().max()
+    exact = x.double() @ blocks.dequantize().double().T
+    assert (got - exact).norm() <= 2e-2 * exact.norm()  # int8 activations: ~0.5% here
+    torch.testing.assert_close(out.float(), got.float().to(dtype).float(), rtol=0, atol=0)
+
+
+def test_fused_groups_of_both_formats_stack_by_rows():
+    gen = torch.Generator().manual_seed(1)
+    parts = [_blocks(4, 40, 64, gen), _blocks(8, 24, 64, gen), _blocks(4, 3, 64, gen)]
+    x = torch.randn(5, 64, generator=gen)
+    got = packed_int.packed_linear(x, [packed_int.pack(b) for b in parts], fp32_out=True).double()
+    want = torch.cat([packed_int.reference_linear(x, b) for b in parts], dim=1)
+    assert got.shape == (5, 67)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_leading_dims_and_empty_inputs():
+    gen = torch.Generator().manual_seed(2)
+    blocks = _blocks(4, 20, 64, gen)
+    weight = packed_int.pack(blocks)
+    x = torch.randn(2, 3, 64, generator=gen)
+    got = packed_int.packed_linear(x, [weight], fp32_out=True)
+    assert got.shape == (2, 3, 20)
+    torch.testing.assert_close(got.view(6, 20).double(), packed_int.reference_linear(x.view(6, 64), blocks),
+                               rtol=1e-5, atol=1e-5)
+    assert packed_int.packed_linear(torch.empty(0, 64), [weight]).shape == (0, 20)
+
+
+def test_layout_is_checked():
+    gen = torch.Generator().manual_seed(3)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        packed_int.pack(packed_int.QuantBlocks(8, torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 1)))
+    weight = packed_int.pack(_blocks(4, 16, 64, gen))
+    with pytest.raises(RuntimeError, match="does not hold 32 x 64"):
+        torch.ops.fw_packed_int.linear_q4(torch.randn(1, 64), weight.data, 32, False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.fw_packed_int.linear_q4(torch.randn(1, 48), weight.data, 16, False)
+
+
+def test_switch_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
+    assert not packed_int.ready() and not packed_int.applies("cpu", 64)
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
+    assert packed_int.applies("cpu", 64) and not packed_int.applies("cpu", 48) and not packed_int.applies("cuda", 64)
+
+
+def test_ops_trace_under_torch_compile():
+    """Shape-only kernels let dynamo and AOTAutograd trace the ops (--enable-torch-compile on a packed model)."""
+    from fw.compile import ops
+
+    ops.register_fused_cpu_fakes()
+    gen = torch.Generator().manual_seed(4)
+    q4, q8 = packed_int.pack(_blocks(4, 40, 64, gen)), packed_int.pack(_blocks(8, 24, 64, gen))
+
+    def f(x):
+        return packed_int.packed_linear(x, [q4, q8], fp32_out=True) * 2
+
+    x = torch.randn(3, 64, generator=gen)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)

@@ -1,0 +1,87 @@
+"""GPTQ and AWQ 4-bit checkpoints on fw's packed-int CPU kernels (fw.layers.packed_int): the layers are
+repacked at load (`qweight` holds the kernels' layout; the other checkpoint tensors are dropped), each linear meets the int8-
+activation reference on the test's own dequantized weights, and greedy text stays close to the plain-torch
+path's. Act-order GPTQ and groups that split a 32-input block keep the plain-torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quant_checkpoints as qc
+import test_quant_awq as awq_case
+import test_quant_gptq as gptq_case
+from conftest import make_llm
+from fw import SamplingParams
+from fw.layers import Linear, packed_int
+
+pytestmark = pytest.mark.skipif(not packed_int.ready(), reason="no AVX512-VNNI CPU or no C++ toolchain")
+
+TEXT = " ".join(qc.PROMPTS * 3)
+
+
+@pytest.fixture(scope="module")
+def float_model(tokenizer):
+    return qc.float_llama(tokenizer, seed=5)
+
+
+def _check_layers(llm, weights: dict[str, torch.Tensor], repacked: bool) -> None:
+    torch.manual_seed(0)
+    for name, layer in llm.engine.loaded.model.named_modules():
+        if not isinstance(layer, Linear) or name == "lm_head":
+            continue
+        assert (layer.packed_int is not None) == repacked, name
+        if not repacked:
+            continue
+        assert {n for n, _ in layer.named_parameters()} == {"qweight"}, name  # the kernels' layout now
+        x = torch.randn(6, layer.input_size)
+        want = packed_int.quantize_activations(x).double() @ qc.fused_reference(weights, name).double().T
+        got = layer(x).double()
+        # the kernels keep each offset -scale * zero in fp16: ~1e-4 of the output, not 1e-5
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max(), name
+
+
+def _mean_nll(llm) -> float:
+    out = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))[0]
+    ids = out.prompt_token_ids
+    return -sum(d[i].logprob for d, i in zip(out.prompt_logprobs[1:], ids[1:])) / (len(ids) - 1)
+
+
+def _close_to_reference_path(path, monkeypatch) -> None:
+    kernel = _mean_nll(make_llm(path))
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
+    reference = _mean_nll(make_llm(path))
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
+    assert abs(kernel - reference) < 0.03 * reference
+
+
+@pytest.mark.parametrize("group_size,sym,fmt", [(32, True, "gptq"), (64, False, "gptq_v2"), (-1, False, "gptq")],
+                         ids=["g32-sym", "g64-asym-v2", "gall-asym"])
+def test_gptq_4bit_runs_on_the_kernels(group_size, sym, fmt, float_model, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
+    tensors, weights = gptq_case.gptq_tensors(float_model, 4, group_size, False, sym, fmt, seed=abs(group_size))
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": sym,
+            "checkpoint_format": fmt}
+    path = qc.save_checkpoint(tmp_path / "ckpt", float_model, tokenizer, tensors, qcfg)
+    _check_layers(make_llm(path), weights, repacked=True)
+    _close_to_reference_path(path, monkeypatch)
+
+
+@pytest.mark.parametrize("group_size,desc_act", [(16, False), (32, True)], ids=["g16", "g32-act-order"])
+def test_gptq_layouts_the_kernels_cannot_read_keep_the_reference_path(group_size, desc_act, float_model, tokenizer,
+                                                                       tmp_path, monkeypatch):
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
+    tensors, weights = gptq_case.gptq_tensors(float_model, 4, group_size, desc_act, True, "gptq", seed=1)
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act}
+    path = qc.save_checkpoint(tmp_path / "ckpt", float_model, tokenizer, tensors, qcfg)
+    _check_layers(make_llm(path), weights, repacked=False)
+
+
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_awq_runs_on_the_kernels(group_size, float_model, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
+    tensors, weights = awq_case.awq_tensors(float_model, group_size)
+    qcfg = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    path = qc.save_checkpoint(tmp_path / f"g{group_size}", float_model, tokenizer, tensors, qcfg)
+    _check_layers(make_llm(path), weights, repacked=True)
+    _close_to_reference_path(path, monkeypatch)
