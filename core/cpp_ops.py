@@ -92,6 +92,19 @@ def is_loaded(name: str) -> bool:
     return name in _loaded
 
 
+def try_load_cpp_ops(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> str | None:
+    """`load_cpp_ops` for a kernel that has a slower fallback: None when loaded, else why not (no toolchain,
+    or the build's error), for the caller's one warning."""
+    why = missing_toolchain()
+    if why is not None:
+        return why
+    try:
+        load_cpp_ops(name, source, cflags)
+        return None
+    except FwError as exc:
+        return str(exc)
+
+
 def load_cpp_ops(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> None:
     """Compile (or load the cached build of) `source`, whose TORCH_LIBRARY registers torch.ops.<its
     namespace>; once per process. Raises FwError naming the build folder when it cannot."""

@@ -284,11 +284,10 @@ class GGUFLinearMethod(LinearMethod):
             packed.append(packed_int.pack(packed_int.QuantBlocks(
                 blocks.bits, blocks.codes.view(g.rows, -1), blocks.scale.view(g.rows, -1),
                 None if blocks.offset is None else blocks.offset.view(g.rows, -1))))
-        layer.weight = nn.Parameter(torch.cat([p.data for p in packed]), requires_grad=False)
-        offset = 0
-        for i, p in enumerate(packed):  # the groups' bytes as views of the one parameter
-            packed[i] = packed_int.PackedWeight(p.bits, p.rows, p.cols, layer.weight.data[offset:offset + p.data.numel()])
-            offset += p.data.numel()
+        packed = packed_int.concat(packed)
+        total = sum(p.data.numel() for p in packed)  # the one parameter views all groups' bytes
+        layer.weight = nn.Parameter(packed[0].data if len(packed) == 1 else
+                                    packed[0].data.as_strided((total,), (1,)), requires_grad=False)
         return packed
 
     def dequantize(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:

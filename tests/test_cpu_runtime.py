@@ -111,3 +111,18 @@ def _future():
     import concurrent.futures
 
     return concurrent.futures.Future()
+
+
+def test_weight_arena_packs_weights_side_by_side_on_huge_pages():
+    from fw.layers import weight_arena
+
+    arena = weight_arena.HugePageArena()
+    a, b = arena.take(100), arena.take(3 << 20)
+    assert a.data_ptr() % weight_arena.HUGE_PAGE == 0  # a fresh chunk starts on a huge page
+    assert b.data_ptr() == a.data_ptr() + 128  # the next weight, on the next cache line of the same chunk
+    assert _smaps_entry(a.data_ptr()).get("THPeligible") == "1"
+    big = arena.take(weight_arena.CHUNK + 5)  # larger than a chunk: a chunk of its own
+    assert big.numel() == weight_arena.CHUNK + 5 and big.data_ptr() % weight_arena.HUGE_PAGE == 0
+    w = torch.randn(7, 5, dtype=torch.bfloat16)
+    held = weight_arena.holding(w)
+    assert torch.equal(held, w) and held.dtype == w.dtype and held.shape == w.shape

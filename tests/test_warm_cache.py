@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fw.layers import dense
+from fw.layers import dense, packed_int
 
 import plugin_fixtures as pf
 from hub_server import HubServer
@@ -28,6 +28,7 @@ REPO_ID = "tiny/repo"
 FLAGS = ["--attention-backend", "sdpa"]
 # fw's bf16 matmul kernel is one more C++ build where the tiny model runs in bf16 on it (dtype auto)
 BF16_KERNEL = int(dense.bf16_kernel_wanted())
+PACKED_INT = int(packed_int.wanted())  # fw's kernels for quantized weights: built for every CPU model
 SUMMARY = re.compile(r"^hits=(\d+) misses=(\d+)(?: failed=(\d+))?$")
 
 
@@ -106,7 +107,8 @@ def test_check_on_empty_caches_reports_misses_and_touches_nothing(warmed, caches
     r = warmed.before
     assert r.returncode == 0, r.stderr
     hits, misses, failed = summary(r.stdout)
-    assert misses == 2 + BF16_KERNEL and failed == 0, r.stdout  # the model, the fused CPU ops (, the matmul)
+    # the model, the fused CPU ops (, the bf16 matmul, the packed-int kernels)
+    assert misses == 2 + BF16_KERNEL + PACKED_INT and failed == 0, r.stdout
     assert lines(r.stdout, "miss", "model files") and lines(r.stdout, "miss", "C++ ops cpu_ops"), r.stdout
     assert warmed.requests_during_check == []  # --check never downloads
     assert warmed.built_during_check == []  # ... nor builds
@@ -131,7 +133,7 @@ def test_check_right_after_warm_cache_reports_no_misses(warmed) -> None:
     r = warmed.after
     assert r.returncode == 0, r.stderr
     hits, misses, failed = summary(r.stdout)
-    assert (misses, failed) == (0, 0) and hits == 2 + BF16_KERNEL, r.stdout
+    assert (misses, failed) == (0, 0) and hits == 2 + BF16_KERNEL + PACKED_INT, r.stdout
     assert re.search(r"^for device=cpu .*attention_backend=sdpa$", r.stdout, re.M), r.stdout
 
 
@@ -245,6 +247,7 @@ def test_warm_cache_of_a_local_directory_checks_and_reports_it(model_copy, tmp_p
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "fw"))
     monkeypatch.setenv("FW_CPU_FUSED_OPS", "0")
     monkeypatch.setenv("FW_CPU_WEIGHT_PACKING", "onednn")  # no C++ build for fw's bf16 matmul either
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")  # nor for the packed-int kernels
     args = ["warm-cache", "--model", str(model_copy), "--attention-backend", "sdpa"]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -306,6 +309,7 @@ def test_a_gguf_files_tokenizer_conversion_is_warmed(tokenizer, tmp_path, monkey
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "fw"))
     monkeypatch.setenv("FW_CPU_FUSED_OPS", "0")
     monkeypatch.setenv("FW_CPU_WEIGHT_PACKING", "onednn")  # no C++ build for fw's bf16 matmul either
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")  # nor for the packed-int kernels
     path = write_gguf_with_tokenizer(tmp_path / "tiny.gguf", tokenizer)
     plugins = PluginManager(entry_points=pf.fw_entry_points()).load()
 
@@ -374,6 +378,7 @@ def test_plugin_and_compile_artifacts_show_in_the_report(root, model_copy, tmp_p
     monkeypatch.setitem(sys.modules, "fw.compile", fake)
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "fw"))
     monkeypatch.setenv("FW_CPU_FUSED_OPS", "0")
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
     context = WarmContext(EngineConfig(model=str(model_copy), dtype="float32", attention_backend="sdpa"),
                           pf.builtin_manager(root))
     out: list[str] = []

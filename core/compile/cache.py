@@ -47,7 +47,7 @@ from fw.paths import cache_dir
 logger = logging.getLogger("fw.compile")
 
 MANIFEST = "manifest.json"
-_ENV_INPUTS = ("FW_CPU_FUSED_OPS", "FW_CPU_WEIGHT_PACKING")  # change which ops the graphs hold
+_ENV_INPUTS = ("FW_CPU_FUSED_OPS", "FW_CPU_WEIGHT_PACKING", "FW_CPU_PACKED_INT")  # change which ops the graphs hold
 _MODEL_FILES = ("*.json", "*.safetensors", "*.gguf", "*.bin", "*.pt")
 
 

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from fw.cpp_ops import DEFAULT_CFLAGS, load_cpp_ops, missing_toolchain
-from fw.errors import FwError
+from fw.cpp_ops import DEFAULT_CFLAGS, try_load_cpp_ops
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +42,13 @@ def prepare(device: torch.device | str) -> str | None:
         return "not a CPU model"
     if not wanted():
         return "FW_CPU_FUSED_OPS=0"
-    why = missing_toolchain()
+    why = try_load_cpp_ops("cpu_ops", _SOURCE, _CFLAGS)
     if why is None:
-        try:
-            load_cpp_ops("cpu_ops", _SOURCE, _CFLAGS)
-            for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax"):
-                # the resolved overload: calling the packet resolves it again on every call (~2 us)
-                _op[name] = getattr(torch.ops.fw_cpu_ops, name).default
-            _ready = True
-            return None
-        except FwError as exc:
-            why = str(exc)
+        for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax"):
+            # the resolved overload: calling the packet resolves it again on every call (~2 us)
+            _op[name] = getattr(torch.ops.fw_cpu_ops, name).default
+        _ready = True
+        return None
     logger.warning("fused CPU layer ops unavailable (%s); using torch ops, which are slower", why)
     return why
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fw.cpp_ops import DEFAULT_CFLAGS, load_cpp_ops, missing_toolchain
-from fw.errors import FwError
+from fw.cpp_ops import DEFAULT_CFLAGS, try_load_cpp_ops
+from fw.layers import weight_arena
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +73,14 @@ def bf16_kernel_ready() -> bool:
     if not bf16_kernel_wanted():
         return False
     if _bf16_state is None:
-        _bf16_state = False
-        why = missing_toolchain()
+        why = try_load_cpp_ops("dense_bf16", BF16_SOURCE, BF16_CFLAGS)
         if why is not None:
             logger.warning("fw's bf16 matmul kernel unavailable (%s); using oneDNN", why)
+            _bf16_state = False
             return False
-        try:
-            load_cpp_ops("dense_bf16", BF16_SOURCE, BF16_CFLAGS)
-            _bf16_state = bool(torch.ops.fw_dense.available())
-            _bf16_linear = torch.ops.fw_dense.linear_bf16.default
-            _bf16_gated = torch.ops.fw_dense.linear_bf16_gated.default
-        except FwError as exc:
-            logger.warning("fw's bf16 matmul kernel unavailable (%s); using oneDNN", exc)
+        _bf16_state = bool(torch.ops.fw_dense.available())
+        _bf16_linear = torch.ops.fw_dense.linear_bf16.default
+        _bf16_gated = torch.ops.fw_dense.linear_bf16_gated.default
     return _bf16_state
 
 
@@ -115,8 +111,8 @@ def pack_dense_weight(weight: torch.Tensor, device: torch.device | str, gate_up:
         return weight
     if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_kernel_ready():
         if gate_up and weight.shape[0] % 2 == 0:
-            return torch.ops.fw_dense.pack_bf16_gated(weight.detach())
-        return torch.ops.fw_dense.pack_bf16(weight.detach())
+            return weight_arena.holding(torch.ops.fw_dense.pack_bf16_gated(weight.detach()))
+        return weight_arena.holding(torch.ops.fw_dense.pack_bf16(weight.detach()))
     if not cpu_packing_available():
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())

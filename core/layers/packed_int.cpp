@@ -215,7 +215,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
-  QuantizedRows a;
+  thread_local QuantizedRows a;  // reused: a decode step calls this ~120 times with the same sizes
   if (x.scalar_type() == at::kFloat) quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), !q4, a);
   else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), !q4, a);
   const bool write_fp32 = out.scalar_type() == at::kFloat;

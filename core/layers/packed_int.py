@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from fw.cpp_ops import DEFAULT_CFLAGS, load_cpp_ops, missing_toolchain
-from fw.errors import FwError
+from fw.cpp_ops import DEFAULT_CFLAGS, try_load_cpp_ops
+from fw.layers import weight_arena
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ BLOCK = 32  # inputs per block
 TILE = 16  # output rows per tile
 RECORD_BYTES = {4: 320, 8: 608}  # bytes per (tile, block): codes, fp16 scales, fp16 offsets or code sums
 _state: bool | None = None  # None: not tried yet
+_LINEAR_Q4 = _LINEAR_Q8 = None  # torch.ops.fw_packed_int.linear_q4.default / linear_q8.default once built
 
 
 @dataclass(frozen=True)
@@ -73,16 +74,14 @@ def ready() -> bool:
     if not wanted():
         return False
     if _state is None:
-        _state = False
-        why = missing_toolchain()
+        why = try_load_cpp_ops("packed_int", SOURCE, DEFAULT_CFLAGS)
         if why is not None:
             logger.warning("fw's packed int kernels unavailable (%s); quantized weights use the reference path", why)
+            _state = False
             return False
-        try:
-            load_cpp_ops("packed_int", SOURCE, DEFAULT_CFLAGS)
-            _state = bool(torch.ops.fw_packed_int.available())
-        except FwError as exc:
-            logger.warning("fw's packed int kernels unavailable (%s); quantized weights use the reference path", exc)
+        _state = bool(torch.ops.fw_packed_int.available())
+        global _LINEAR_Q4, _LINEAR_Q8  # the resolved overloads: the op packet resolves them on every call
+        _LINEAR_Q4, _LINEAR_Q8 = torch.ops.fw_packed_int.linear_q4.default, torch.ops.fw_packed_int.linear_q8.default
     return _state
 
 
@@ -104,8 +103,25 @@ def _half_bytes(v: torch.Tensor) -> torch.Tensor:
     return _tiles(v.to(torch.float16)).permute(0, 2, 1).contiguous().view(torch.uint8)
 
 
+
+
+def concat(weights: list[PackedWeight]) -> list[PackedWeight]:
+    """The weights' bytes side by side in one arena tensor (`weights[0].data`'s base holds them all), for a
+    layer that keeps one parameter."""
+    if len(weights) == 1:
+        return weights
+    flat = weight_arena.take(sum(w.data.numel() for w in weights))
+    out, offset = [], 0
+    for w in weights:
+        view = flat[offset:offset + w.data.numel()]
+        view.copy_(w.data)
+        out.append(PackedWeight(w.bits, w.rows, w.cols, view))
+        offset += w.data.numel()
+    return out
+
+
 def pack(blocks: QuantBlocks) -> PackedWeight:
-    """`blocks` in the kernels' layout (packed_int.cpp)."""
+    """`blocks` in the kernels' layout (packed_int.cpp), in the huge-page arena."""
     n, k = blocks.codes.shape
     if k % BLOCK:
         raise ValueError(f"packed weights need inputs in blocks of {BLOCK}; this weight has {k}")
@@ -123,17 +139,21 @@ def pack(blocks: QuantBlocks) -> PackedWeight:
         record = torch.cat([codes, _half_bytes(blocks.scale), correction], dim=2)
     else:
         raise ValueError(f"no packed kernel for {blocks.bits}-bit weights")
-    return PackedWeight(blocks.bits, n, k, record.contiguous().view(-1))
+    data = weight_arena.take(record.numel())
+    data.copy_(record.view(-1))
+    return PackedWeight(blocks.bits, n, k, data)
 
 
 def packed_linear(x: torch.Tensor, weights: list[PackedWeight], fp32_out: bool = False) -> torch.Tensor:
     """x [..., K] times the packed weights stacked by rows (a fused layer may hold several formats)."""
+    if len(weights) == 1 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):  # the decode step's case
+        w = weights[0]
+        return (_LINEAR_Q4 if w.bits == 4 else _LINEAR_Q8)(x, w.data, w.rows, fp32_out)
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if flat.dtype not in (torch.float32, torch.bfloat16):
         flat = flat.float()
-    outs = [(torch.ops.fw_packed_int.linear_q4 if w.bits == 4 else torch.ops.fw_packed_int.linear_q8)(
-        flat, w.data, w.rows, fp32_out) for w in weights]
+    outs = [(_LINEAR_Q4 if w.bits == 4 else _LINEAR_Q8)(flat, w.data, w.rows, fp32_out) for w in weights]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if not fp32_out and out.dtype != x.dtype:
         out = out.to(x.dtype)

@@ -34,11 +34,12 @@ class Contribution:
 
 
 def collect(context: WarmContext) -> list[Contribution]:
-    from fw.warm.cpp import core_cpu_ops, core_dense_bf16
+    from fw.warm.cpp import core_cpu_ops, core_dense_bf16, core_packed_int
     from fw.warm.model import GgufTokenizerArtifact, ModelFilesArtifact
 
     out = [Contribution("core", ModelFilesArtifact()), Contribution("core", GgufTokenizerArtifact()),
-           Contribution("core", core_cpu_ops()), Contribution("core", core_dense_bf16())]
+           Contribution("core", core_cpu_ops()), Contribution("core", core_dense_bf16()),
+           Contribution("core", core_packed_int())]
     out += _from_plugins(context)
     out += _from_compile(context)
     out += _unclaimed_grammar_backends(context, out)

@@ -78,3 +78,11 @@ def core_dense_bf16() -> CppOpsArtifact:
                 and resolve.dtype(context) in (None, torch.bfloat16))
 
     return CppOpsArtifact("dense_bf16", dense.BF16_SOURCE, dense.BF16_CFLAGS, owner="core", applies=applies)
+
+
+def core_packed_int() -> CppOpsArtifact:
+    """fw's packed-int kernels (fw.layers.packed_int) for quantized weights, on a CPU with AVX512-VNNI."""
+    from fw.layers import packed_int
+
+    return CppOpsArtifact("packed_int", packed_int.SOURCE, packed_int.DEFAULT_CFLAGS, owner="core",
+                          applies=lambda context: cpu_target(context) and packed_int.wanted())
