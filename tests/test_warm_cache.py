@@ -406,6 +406,7 @@ def grammar_context(model_copy, tmp_path, monkeypatch, isolated_plugins):
 
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "fw"))
     monkeypatch.setenv("FW_CPU_FUSED_OPS", "0")
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
     schemas = tmp_path / "schemas.json"
     schemas.write_text(json.dumps([SCHEMA, {"regex": "[0-9]{3}-[0-9]{2}"},
                                    {"choice": ["red", "green"], "backend": "outlines"},
