@@ -144,7 +144,7 @@ class GPTQLinearMethod(LinearMethod):
         layer.gptq_group_size = size
         layer.gptq_shared_g_idx = bool((g_idx == g_idx[:1]).all())
         layer.packed_int = None
-        if self.config.bits == 4 and layer.gptq_even:  # act-order layers keep the reference path
+        if self.config.bits == 4 and layer.gptq_contiguous:  # act-order layers keep the reference path
             q, z, s = self.codes(layer, 0, layer.output_size)
             repack_for_kernels(layer, q, z, s, size, drop=("qzeros", "scales", "g_idx"))
 

@@ -85,3 +85,26 @@ def test_awq_runs_on_the_kernels(group_size, float_model, tokenizer, tmp_path, m
     path = qc.save_checkpoint(tmp_path / f"g{group_size}", float_model, tokenizer, tensors, qcfg)
     _check_layers(make_llm(path), weights, repacked=True)
     _close_to_reference_path(path, monkeypatch)
+
+
+def test_a_short_last_group_repacks_exactly():
+    """Groups of 64 over 96 inputs (GPTQ's last group is then 32 wide, as SmolLM2's 576 inputs in groups of
+    128): every block of 32 takes its own group's scale and zero."""
+    import types
+
+    from fw.quantizers._packing import repack_for_kernels
+
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randint(0, 16, (96, 40), generator=gen)
+    zeros = torch.randint(0, 16, (2, 40), generator=gen).float()
+    scales = (torch.rand(2, 40, generator=gen) * 0.05).half().float()
+    layer = types.SimpleNamespace(device=torch.device("cpu"), qzeros=1, scales=2)
+    assert repack_for_kernels(layer, q, zeros, scales, 64, drop=("qzeros", "scales"))
+    assert not hasattr(layer, "qzeros") and layer.qweight.dtype == torch.uint8
+    group = torch.arange(96) // 64
+    w = (scales[group] * (q - zeros[group])).T.double()  # [out, in]
+    x = torch.randn(3, 96, generator=gen)
+    got = packed_int.packed_linear(x, layer.packed_int, fp32_out=True).double()
+    want = packed_int.quantize_activations(x).double() @ w.T
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    assert not repack_for_kernels(types.SimpleNamespace(device=torch.device("cpu")), q, zeros, scales, 48, drop=())
