@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fw.errors import ModelLoadError, UnsupportedConfigurationError
-from fw.layers import Linear
+from fw.layers import Linear, packed_int
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
 from fw.plugins import QuantizationMethodSpec, hookimpl
 from fw.quantizers._packing import skipped_in_checkpoint
@@ -295,6 +295,11 @@ def _state_from_checkpoint(layer: Linear, index: int, parts: dict, mode: str):
     return packed, state
 
 
+def _int8_matmul_forced() -> bool:
+    """FW_BNB_INT8_MATMUL=1: bitsandbytes' own LLM.int8 matmul on any device (the CUDA default)."""
+    return os.environ.get("FW_BNB_INT8_MATMUL", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 class Int8LinearMethod(LinearMethod):
     """LLM.int8 weights: int8 [out, in] + fp32 row scale `SCB` (absmax of the row)."""
 
@@ -332,16 +337,27 @@ class Int8LinearMethod(LinearMethod):
         if "weight_format" in layer._parameters:
             del layer._parameters["weight_format"]
         layer.bnb_state = None
+        layer.packed_int = None
+        if not _int8_matmul_forced() and packed_int.applies(layer.device, layer.input_size):
+            # fw's 8-bit kernel: the int8 codes as they are, the row scale absmax / 127 per block (fp16)
+            scale = (layer.SCB.float() / 127).unsqueeze(1).expand(-1, layer.input_size // packed_int.BLOCK)
+            weight = packed_int.pack(packed_int.QuantBlocks(8, layer.weight.data, scale))
+            layer.weight = nn.Parameter(weight.data, requires_grad=False)
+            layer.packed_int = [weight]
 
     def dequantized(self, layer: Linear) -> torch.Tensor:
         """The dense weight [out, in] in the model dtype, with the library's `int8_vectorwise_dequant`."""
+        if layer.packed_int is not None:
+            raise RuntimeError(f"{layer.prefix}: repacked for fw's packed-int kernels; the int8 matrix is gone")
         return _bnb().functional.int8_vectorwise_dequant(layer.weight, layer.SCB).to(layer.params_dtype)
 
     def uses_int8_matmul(self, layer: Linear, x: torch.Tensor) -> bool:
-        forced = os.environ.get("FW_BNB_INT8_MATMUL", "").strip().lower() in ("1", "true", "yes", "on")
-        return forced or x.device.type == "cuda"
+        return _int8_matmul_forced() or x.device.type == "cuda"
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed_int is not None:
+            out = packed_int.packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
+            return out if layer.bias is None else out + layer.bias
         if not self.uses_int8_matmul(layer, x):
             return torch.nn.functional.linear(x, self.dequantized(layer).to(x.dtype), layer.bias)
         bnb = _bnb()

@@ -208,6 +208,13 @@ PREQUANT = {  # name -> (BitsAndBytesConfig arguments, fw method)
 }
 
 
+@pytest.fixture(autouse=True)
+def reference_path(monkeypatch):
+    """The library's own paths, exactly (fw's packed-int kernels run 8-bit weights on int8 activations; the
+    real-model test below and test_quant_int4_kernels.py run them)."""
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
+
+
 @pytest.fixture(scope="module")
 def prequantized(model_dirs, tokenizer, tmp_path_factory):
     """name -> (directory, HF module name -> W_deq) for the MHA model saved quantized by transformers."""
@@ -293,7 +300,8 @@ SMOLLM2_OPTIONS = dict(kv_cache_memory="128MiB", max_batch_input_tokens=2048)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, ppl_tol", [("bitsandbytes-nf4", 0.25), ("bitsandbytes-8bit", 0.01)])
-def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl_tol, smollm2_dense_perplexity):
+def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl_tol, smollm2_dense_perplexity,
+                                                                    monkeypatch):
     """`fw generate --model <SmolLM2 .gguf> --quantization bitsandbytes-nf4`: the GGUF tensors arrive
     dequantized, the method quantizes them; chat at temperature 0 says Paris, and perplexity on the
     committed English text stays near the same GGUF dequantized at load (no re-quantization).
@@ -305,10 +313,15 @@ def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl
     from fw import LLM
     from test_quant_gguf import SMOLLM2, TEXT, perplexity
 
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")  # 8-bit on fw's packed-int kernel where it builds
     llm = LLM(str(SMOLLM2), quantization=method, **SMOLLM2_OPTIONS)
     assert llm.engine.loaded.quantization == method
     layers = quantized_linears(llm.engine.loaded.model)
     assert len(layers) == 30 * 4 and all(m.weight.dtype in (torch.uint8, torch.int8) for m in layers.values())
+    from fw.layers import packed_int
+
+    if method == "bitsandbytes-8bit" and packed_int.ready():
+        assert all(m.packed_int is not None and m.packed_int[0].bits == 8 for m in layers.values())
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(max_tokens=20, temperature=0))[0].outputs[0].text
     assert "Paris" in answer

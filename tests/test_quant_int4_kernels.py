@@ -1,7 +1,8 @@
-"""GPTQ and AWQ 4-bit checkpoints on fw's packed-int CPU kernels (fw.layers.packed_int): the layers are
-repacked at load (`qweight` holds the kernels' layout; the other checkpoint tensors are dropped), each linear meets the int8-
-activation reference on the test's own dequantized weights, and greedy text stays close to the plain-torch
-path's. Act-order GPTQ and groups that split a 32-input block keep the plain-torch path."""
+"""GPTQ and AWQ 4-bit checkpoints, and bitsandbytes 8-bit weights, on fw's packed-int CPU kernels
+(fw.layers.packed_int): the layers are repacked at load (`qweight` or `weight` holds the kernels' layout;
+the other checkpoint tensors are dropped), each linear meets the int8-activation reference on the test's
+own dequantized weights, and the text's likelihood stays close to the plain-torch path's. Act-order GPTQ
+and groups that split a 32-input block keep the plain-torch path."""
 
 from __future__ import annotations
 
@@ -108,3 +109,34 @@ def test_a_short_last_group_repacks_exactly():
     want = packed_int.quantize_activations(x).double() @ w.T
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     assert not repack_for_kernels(types.SimpleNamespace(device=torch.device("cpu")), q, zeros, scales, 48, drop=())
+
+
+def test_bitsandbytes_8bit_runs_on_the_8bit_kernel(model_dirs, monkeypatch):
+    """LLM.int8 weights (int8 codes, one absmax scale per row) on fw's 8-bit kernel: each linear within
+    fp32 rounding of the int8-activation reference on the library's own dequantized weight."""
+    import bitsandbytes.functional as BF
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
+    path = model_dirs["gqa"]
+    tensors = load_file(str(path / "model.safetensors"))
+    llm = make_llm(path, quantization="bitsandbytes-8bit")
+    checked = 0
+    torch.manual_seed(0)
+    for name, layer in llm.engine.loaded.model.named_modules():
+        if not isinstance(layer, Linear) or name == "lm_head" or "layers." not in name:
+            continue
+        assert layer.packed_int is not None and layer.packed_int[0].bits == 8, name
+        parts = [tensors[f"{name.replace(fused, part)}.weight"] for fused, parts_ in
+                 (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+                 if name.endswith(fused) for part in parts_] or [tensors[f"{name}.weight"]]
+        deq = []
+        for w in parts:
+            cb, scb, _ = BF.int8_vectorwise_quant(w.to(torch.float16).contiguous())
+            deq.append(cb.double() * (scb.double() / 127).unsqueeze(1))
+        x = torch.randn(5, layer.input_size)
+        want = packed_int.quantize_activations(x).double() @ torch.cat(deq).T
+        got = layer(x).double()
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max(), name  # fp16 row scales: ~1e-4
+        checked += 1
+    assert checked == 4 * 3  # the tiny GQA model's 3 layers
