@@ -139,6 +139,7 @@ def pack(blocks: QuantBlocks) -> PackedWeight:
         record = torch.cat([codes, _half_bytes(blocks.scale), correction], dim=2)
     else:
         raise ValueError(f"no packed kernel for {blocks.bits}-bit weights")
+    assert record.shape[-1] == RECORD_BYTES[blocks.bits]  # the record size packed_int.cpp reads
     data = weight_arena.take(record.numel())
     data.copy_(record.view(-1))
     return PackedWeight(blocks.bits, n, k, data)
