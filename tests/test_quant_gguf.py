@@ -54,7 +54,7 @@ def _case(gguf_dir: Path, tokenizer, name: str, qtype, **kwargs) -> gguf_models.
 
 
 def _llm(case, gguf_dir: Path, **options):
-    """Weights kept packed (on CPU the default is to dequantize GGUF files at load)."""
+    """Weights kept packed, by name (the CPU default depends on fw's packed-int kernels)."""
     return make_llm(case.path, tokenizer=str(gguf_dir / "tokenizer"), **{"gguf_dequantize_at_load": False, **options})
 
 
@@ -143,6 +143,33 @@ def test_kernel_path_repacks_and_matches_the_int8_activation_reference(qtype, gg
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
     reference = _mean_nll(_llm(case, gguf_dir), text)
     assert abs(kernel - reference) < 0.03 * reference  # measured 1.1-1.4% on these wide random models
+
+
+@needs_kernels
+def test_cpu_default_keeps_kernel_types_packed_and_dequantizes_the_others_with_one_warning(gguf_dir, tokenizer,
+                                                                                          monkeypatch, caplog):
+    """No flag on a CPU with the kernels: Q4_1 layers run packed, a Q4_K or Q5_0 file (no kernel) still runs,
+    its layers dequantized at load into the dense layout, with one warning naming the type; tokens equal
+    transformers' on the same weights."""
+    from fw.quantizers import gguf as gguf_method
+
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
+    monkeypatch.setattr(gguf_method, "_warned", set())
+    tok = str(gguf_dir / "tokenizer")
+    q41 = make_llm(_case(gguf_dir, tokenizer, "default_q4_1", T.Q4_1).path, tokenizer=tok)
+    assert q41.engine.loaded.quantization == "gguf"
+    layers = [m for m in q41.engine.loaded.model.modules() if isinstance(m, Linear)]
+    assert all(m.packed_int is not None and not m.dense for m in layers)
+    for qtype in (T.Q4_K, T.Q5_0):
+        caplog.clear()
+        case = _case(gguf_dir, tokenizer, f"default_{qtype.name}", qtype)
+        with caplog.at_level("WARNING", logger="fw.quantizers.gguf"):
+            llm = make_llm(case.path, tokenizer=tok)
+        layers = [m for m in llm.engine.loaded.model.modules() if isinstance(m, Linear)]
+        assert all(m.dense and m.packed_int is None for m in layers)
+        warnings = [r.getMessage() for r in caplog.records if "has no packed kernel" in r.getMessage()]
+        assert len(warnings) == 1 and qtype.name in warnings[0], warnings
+        assert _greedy(llm, tokenizer) == _hf_greedy(case, tokenizer)
 
 
 def test_dequantize_at_load_gives_dense_weights_and_the_same_tokens(gguf_dir, tokenizer):
