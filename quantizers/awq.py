@@ -124,8 +124,7 @@ class AWQLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_int is not None:
-            out = packed_int.packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
-            return out if layer.bias is None else out + layer.bias
+            return packed_int.layer_forward(layer, x)
         out = x.new_empty(*x.shape[:-1], layer.output_size)
         grouped = x.dim() == 2 and x.shape[0] <= GROUPED_MAX_ROWS
         for a, b in column_blocks(layer.input_size, layer.output_size, PACK):

@@ -356,8 +356,7 @@ class Int8LinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_int is not None:
-            out = packed_int.packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
-            return out if layer.bias is None else out + layer.bias
+            return packed_int.layer_forward(layer, x)
         if not self.uses_int8_matmul(layer, x):
             return torch.nn.functional.linear(x, self.dequantized(layer).to(x.dtype), layer.bias)
         bnb = _bnb()

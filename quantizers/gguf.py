@@ -210,7 +210,7 @@ class GGUFLinearMethod(LinearMethod):
         rows = layer.output_sizes[index] if shard is not None else layer.output_size
         if isinstance(tensor, GGUFWeight) and self.dense_fallback and tensor.ggml_type not in BLOCK_TYPES \
                 and tensor.ggml_type not in FLOAT_TYPES:
-            tensor = _dequantize_any(tensor)  # a type fw cannot keep packed: the gguf library's reference
+            tensor = _dequantize_any(tensor, layer.prefix)  # a type fw cannot keep packed: the gguf library's
         if isinstance(tensor, GGUFWeight):
             if tensor.ggml_type not in BLOCK_TYPES and tensor.ggml_type not in FLOAT_TYPES:
                 raise ModelLoadError(
@@ -256,10 +256,8 @@ class GGUFLinearMethod(LinearMethod):
         """The layer dequantized into fw's dense layout (the kernels run dense weights faster than any
         per-matmul dequantization), saying once per type that it was."""
         for g in layer.gguf_groups:
-            if not isinstance(g.kind, torch.dtype) and g.kind not in FLOAT_TYPES and g.kind not in _warned:
-                _warned.add(g.kind)
-                logger.warning("GGUF type %s has no packed kernel in fw: its layers are dequantized at load "
-                               "(%s first)", _type_name(g.kind), layer.prefix)
+            if not isinstance(g.kind, torch.dtype) and g.kind not in FLOAT_TYPES:
+                _warn_dequantized_at_load(g.kind, layer.prefix)
         weight = self.dequantize(layer, layer.params_dtype)
         layer.weight = nn.Parameter(pack_dense_weight(weight, layer.device, gate_up=layer.silu_gate_up
                                                       and layer.bias is None), requires_grad=False)
@@ -284,10 +282,8 @@ class GGUFLinearMethod(LinearMethod):
             packed.append(packed_int.pack(packed_int.QuantBlocks(
                 blocks.bits, blocks.codes.view(g.rows, -1), blocks.scale.view(g.rows, -1),
                 None if blocks.offset is None else blocks.offset.view(g.rows, -1))))
-        packed = packed_int.concat(packed)
-        total = sum(p.data.numel() for p in packed)  # the one parameter views all groups' bytes
-        layer.weight = nn.Parameter(packed[0].data if len(packed) == 1 else
-                                    packed[0].data.as_strided((total,), (1,)), requires_grad=False)
+        flat, packed = packed_int.concat(packed)
+        layer.weight = nn.Parameter(flat, requires_grad=False)  # the groups' weights are views of it
         return packed
 
     def dequantize(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
@@ -306,24 +302,29 @@ class GGUFLinearMethod(LinearMethod):
             return dense_logits(x, layer.weight, layer.bias) if layer.fp32_out else dense_linear(x, layer.weight,
                                                                                                 layer.bias)
         if layer.packed_int is not None:
-            out = packed_int.packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
-            return out if layer.bias is None else out + layer.bias
+            return packed_int.layer_forward(layer, x)
         return F.linear(x, self.dequantize(layer, x.dtype), layer.bias)
 
 
 _warned: set[int] = set()  # GGUF types already reported as dequantized at load, once per process
 
 
-def _type_name(kind: int) -> str:
+def _warn_dequantized_at_load(kind: int, prefix: str) -> None:
+    """One warning per GGUF type (and process) that fw dequantizes at load for want of a packed kernel."""
     from gguf import GGMLQuantizationType
 
+    if kind in _warned:
+        return
+    _warned.add(kind)
     try:
-        return GGMLQuantizationType(kind).name
+        name = GGMLQuantizationType(kind).name
     except ValueError:
-        return f"type {kind}"
+        name = f"type {kind}"
+    logger.warning("GGUF type %s has no packed kernel in fw: its layers are dequantized at load (%s first)",
+                   name, prefix)
 
 
-def _dequantize_any(tensor: GGUFWeight) -> torch.Tensor:
+def _dequantize_any(tensor: GGUFWeight, prefix: str) -> torch.Tensor:
     """A packed weight of any ggml type, dequantized by the gguf library (float32 [rows, cols])."""
     import numpy as np
     from gguf import GGMLQuantizationType
@@ -333,10 +334,7 @@ def _dequantize_any(tensor: GGUFWeight) -> torch.Tensor:
         array = dequantize(tensor.data.numpy(), GGMLQuantizationType(tensor.ggml_type))
     except Exception as exc:
         raise ModelLoadError(f"GGUF tensor type {tensor.type_name} could not be dequantized: {exc}") from None
-    if tensor.ggml_type not in _warned:
-        _warned.add(tensor.ggml_type)
-        logger.warning("GGUF type %s has no packed kernel in fw: its layers are dequantized at load",
-                       tensor.type_name)
+    _warn_dequantized_at_load(tensor.ggml_type, prefix)
     return torch.from_numpy(np.ascontiguousarray(array).reshape(tensor.shape))
 
 

@@ -168,8 +168,7 @@ class GPTQLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_int is not None:
-            out = packed_int.packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
-            return out if layer.bias is None else out + layer.bias
+            return packed_int.layer_forward(layer, x)
         pack = 32 // self.config.bits
         out = x.new_empty(*x.shape[:-1], layer.output_size)
         if layer.gptq_contiguous or layer.gptq_shared_g_idx:

@@ -49,7 +49,11 @@ def test_fused_groups_of_both_formats_stack_by_rows():
     gen = torch.Generator().manual_seed(1)
     parts = [_blocks(4, 40, 64, gen), _blocks(8, 24, 64, gen), _blocks(4, 3, 64, gen)]
     x = torch.randn(5, 64, generator=gen)
-    got = packed_int.packed_linear(x, [packed_int.pack(b) for b in parts], fp32_out=True).double()
+    flat, weights = packed_int.concat([packed_int.pack(b) for b in parts])  # one parameter, as a fused layer keeps
+    assert flat.numel() == sum(w.data.numel() for w in weights)
+    assert [w.data.data_ptr() - flat.data_ptr() for w in weights] == [0, weights[0].data.numel(),
+                                                                      weights[0].data.numel() + weights[1].data.numel()]
+    got = packed_int.packed_linear(x, weights, fp32_out=True).double()
     want = torch.cat([packed_int.reference_linear(x, b) for b in parts], dim=1)
     assert got.shape == (5, 67)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()

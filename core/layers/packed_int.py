@@ -105,11 +105,11 @@ def _half_bytes(v: torch.Tensor) -> torch.Tensor:
 
 
 
-def concat(weights: list[PackedWeight]) -> list[PackedWeight]:
-    """The weights' bytes side by side in one arena tensor (`weights[0].data`'s base holds them all), for a
-    layer that keeps one parameter."""
+def concat(weights: list[PackedWeight]) -> tuple[torch.Tensor, list[PackedWeight]]:
+    """The weights' bytes side by side in one arena tensor, and the weights as views of it: for a layer that
+    keeps one parameter for several row groups."""
     if len(weights) == 1:
-        return weights
+        return weights[0].data, weights
     flat = weight_arena.take(sum(w.data.numel() for w in weights))
     out, offset = [], 0
     for w in weights:
@@ -117,7 +117,7 @@ def concat(weights: list[PackedWeight]) -> list[PackedWeight]:
         view.copy_(w.data)
         out.append(PackedWeight(w.bits, w.rows, w.cols, view))
         offset += w.data.numel()
-    return out
+    return flat, out
 
 
 def pack(blocks: QuantBlocks) -> PackedWeight:
@@ -159,6 +159,13 @@ def packed_linear(x: torch.Tensor, weights: list[PackedWeight], fp32_out: bool =
     if not fp32_out and out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out.view(*lead, out.shape[-1])
+
+
+def layer_forward(layer, x: torch.Tensor) -> torch.Tensor:
+    """A quantized `Linear` whose method repacked it (`layer.packed_int`): its product, in fp32 where the layer
+    asks for it (an LM head), plus its bias. Every method on the kernels applies through here."""
+    out = packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
+    return out if layer.bias is None else out + layer.bias
 
 
 def quantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:

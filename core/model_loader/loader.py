@@ -230,8 +230,8 @@ def _keeps_tied_head(gguf: GGUFModel, hf_config, linear_method, device: torch.de
     single weight, and its dense copy would read twice the bytes per token."""
     keeps = getattr(linear_method, "keeps_tied_head", None)
     kind = gguf.tensor_type("token_embd.weight")
-    return (getattr(hf_config, "tie_word_embeddings", False) and getattr(linear_method, "keeps_gguf_blocks", False)
-            and keeps is not None and kind is not None and keeps(kind, device, hf_config.hidden_size))
+    return (getattr(hf_config, "tie_word_embeddings", False) and keeps is not None and kind is not None
+            and keeps(kind, device, hf_config.hidden_size))
 
 
 def _gguf_weights(cfg: EngineConfig, gguf: GGUFModel, arch: ArchitectureSpec, hf_config, dtype: torch.dtype,
