@@ -25,12 +25,12 @@ from torch import nn
 
 from fw.errors import ConfigError
 from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod, packed_int
-from fw.plugins import QuantizationMethodSpec, hookimpl
+from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers._packing import (AWQ_REVERSE_ORDER, GROUPED_MAX_ROWS, check_bits, column_blocks, copy_checked,
                                     grouped_matmul, left_unquantized, repack_for_kernels, shard_columns,
                                     unpack_int32)
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
 PACK = 8  # 4-bit values per int32
 
@@ -144,6 +144,8 @@ def fw_register_quantization_methods(register) -> None:
         factory=AWQLinearMethod,
         detects=detects,
         devices=("cpu", "cuda"),
+        verified_on=(Verified("cpu", by="fw's CPU tests"),  # on CUDA: tests/test_gpu_quantized.py
+                     Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")),
         description="AWQ checkpoints, 4-bit GEMM layout (qweight/qzeros/scales, interleaved packing order), "
                     "asymmetric zeros, any group size; weights kept packed, dequantized block by block per "
                     "matmul (plain torch)",

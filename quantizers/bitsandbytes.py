@@ -34,10 +34,10 @@ from torch import nn
 from fw.errors import ModelLoadError, UnsupportedConfigurationError
 from fw.layers import Linear, packed_int
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
-from fw.plugins import QuantizationMethodSpec, hookimpl
+from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers._packing import skipped_in_checkpoint
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
 MODES = {"bitsandbytes-8bit": "8bit", "bitsandbytes-nf4": "nf4", "bitsandbytes-fp4": "fp4"}
 BLOCKSIZE = 64
@@ -375,6 +375,10 @@ class Int8LinearMethod(LinearMethod):
         return layer.weight.numel() * layer.weight.element_size() + layer.SCB.numel() * layer.SCB.element_size()
 
 
+VERIFIED_CPU = Verified("cpu", by="fw's CPU tests")
+VERIFIED_H200 = Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")
+
+
 @hookimpl
 def fw_register_quantization_methods(register) -> None:
     for name, mode in MODES.items():
@@ -384,6 +388,8 @@ def fw_register_quantization_methods(register) -> None:
             detects=lambda qcfg, mode=mode: checkpoint_mode(qcfg) == mode,
             devices=("cpu", "cuda"),
             available=missing_reason,
+            # tests/test_gpu_quantized.py ran 8-bit and nf4 on CUDA; fp4 has not run on a GPU
+            verified_on=(VERIFIED_CPU,) + ((VERIFIED_H200,) if mode != "fp4" else ()),
             description=("bitsandbytes LLM.int8 row-wise int8 weights" if mode == "8bit" else
                          f"bitsandbytes {mode} 4-bit weights, blocksize 64")
                         + ": quantize on load or read transformers' bitsandbytes checkpoints",

@@ -29,10 +29,10 @@ from torch import nn
 from fw.errors import UnsupportedConfigurationError
 from fw.layers import Linear
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
-from fw.plugins import QuantizationMethodSpec, hookimpl
+from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers._packing import is_lm_head, skipped_in_checkpoint
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -272,6 +272,8 @@ def fw_register_quantization_methods(register) -> None:
         factory=make_method,
         detects=is_fp8_config,
         devices=("cpu", "cuda"),
+        verified_on=(Verified("cpu", by="fw's CPU tests"),  # on CUDA: tests/test_gpu_quantized.py
+                     Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")),
         description="fp8 e4m3 weights with per-channel/per-tensor/block scales: quantize on load or read "
                     "fp8 / compressed-tensors float8 checkpoints (weight-only dequantize; fp8 matmul on sm90+)",
     ))

@@ -33,9 +33,9 @@ from fw.layers import packed_int
 from fw.layers.dense import dense_linear, dense_logits, pack_dense_weight
 from fw.layers.gguf_weight import GGUFWeight
 from fw.layers.linear import Linear, LinearMethod
-from fw.plugins import QuantizationMethodSpec, hookimpl
+from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
 logger = logging.getLogger(__name__)
 
@@ -349,5 +349,7 @@ def fw_register_quantization_methods(register) -> None:
         factory=lambda quant_config: GGUFLinearMethod(dense_fallback=bool(quant_config.get("dense_fallback"))),
         detects=_detects,
         devices=("cpu", "cuda"),
+        verified_on=(Verified("cpu", by="fw's CPU tests"),  # on CUDA: tests/test_gpu_quantized.py
+                     Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")),
         description="GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept packed, dequantized per matmul",
     ))

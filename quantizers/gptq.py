@@ -32,11 +32,11 @@ from torch import nn
 
 from fw.errors import ConfigError
 from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod, packed_int
-from fw.plugins import QuantizationMethodSpec, hookimpl
+from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers._packing import (GROUPED_MAX_ROWS, check_bits, column_blocks, copy_checked, grouped_matmul,
                                     left_unquantized, repack_for_kernels, shard_columns, unpack_int32)
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
 _FORMATS = {"gptq": 1, "gptq_v1": 1, "gptq_v2": 2}
 
@@ -198,6 +198,8 @@ def fw_register_quantization_methods(register) -> None:
         factory=GPTQLinearMethod,
         detects=detects,
         devices=("cpu", "cuda"),
+        verified_on=(Verified("cpu", by="fw's CPU tests"),  # on CUDA: tests/test_gpu_quantized.py
+                     Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")),
         description="GPTQ checkpoints: 2/4/8-bit qweight/qzeros/scales/g_idx, any group size (-1 too), "
                     "desc_act, sym and asym, v1 and v2 zero conventions; weights kept packed, dequantized "
                     "block by block per matmul (plain torch)",

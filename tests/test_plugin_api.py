@@ -135,7 +135,7 @@ def test_a_spec_field_with_a_default_is_additive(monkeypatch, entries):
     monkeypatch.setattr(specs, "MoeKernelSpec", _spec_with_extra_field(specs.MoeKernelSpec, "tile", int, 64))
     changes = diff(entries, compute_entries())
     assert [str(c) for c in changes] == [
-        "additive: added use fw.plugins.specs.MoeKernelSpec(tile) (#8 pos/kw: int = 64)"]
+        "additive: added use fw.plugins.specs.MoeKernelSpec(tile) (#10 pos/kw: int = 64)"]
     # after the minor bump and a regenerate, all is well; the regenerate is what remains to do
     bumped = _snap("1.1", compute_entries())
     assert bump_problem(_snap("1.0", entries), bumped) is None

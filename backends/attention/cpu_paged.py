@@ -26,9 +26,9 @@ import torch
 from fw.cpp_ops import load_cpp_ops, missing_toolchain
 from fw.errors import FwError
 from fw.layers.attention import AttentionBackend, AttentionMetadata
-from fw.plugins import AttentionBackendSpec, hookimpl
+from fw.plugins import AttentionBackendSpec, Verified, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
 _SOURCE = Path(__file__).with_name("cpu_paged.cpp")  # shipped beside this module (package data)
 
@@ -113,6 +113,7 @@ def fw_register_attention_backends(register) -> None:
         supports_sliding_window=True,
         supports_logit_softcap=True,
         available=_missing_toolchain,
+        verified_on=(Verified("cpu", by="fw's CPU tests"),),
         description="C++ CPU attention (decode and prefill) reading K/V straight from the paged cache "
                     "(built at first use; needs a C++ compiler and ninja)",
     ))

@@ -111,6 +111,8 @@ def fw_register_attention_backends(register) -> None:
         supports_sliding_window=True,
         supports_logit_softcap=True,
         priority=40,  # CUDA only: above triton (20), flex (10) and sdpa (0) there
+        # verified_on: none yet (no flash_attn wheel on the H200 of the first GPU run), so on a GPU auto
+        # prefers the verified triton; --attention-backend flash-attn still names it, with a warning.
         available=_unavailable,
         description="FlashAttention 2 varlen kernel over the paged KV cache (flash_attn or vllm_flash_attn; "
                     "NVIDIA GPUs, fp16/bf16; pip install 'fw[flash-attn]')",

@@ -40,9 +40,9 @@ import torch
 
 from fw.errors import UnsupportedConfigurationError
 from fw.layers.attention import AttentionBackend, AttentionMetadata
-from fw.plugins import AttentionBackendSpec, hookimpl
+from fw.plugins import AttentionBackendSpec, Verified, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.1"  # priority_by_device
+FW_PLUGIN_API_VERSION = "1.2"  # priority_by_device, dtype_min_capability, verified_on
 
 Q_BLOCK = 16  # query rows per block-mask block (the triton kernel's smallest tile on CUDA)
 _NO_WINDOW = 1 << 30  # a window wider than any context: one mask_mod for layers with and without one
@@ -255,6 +255,9 @@ def fw_register_attention_backends(register) -> None:
         priority=-10,
         priority_by_device={"cuda": 10},
         available=_unavailable,
+        dtype_min_capability={"bfloat16": (8, 0)},  # its CUDA kernel is Triton's: bf16 dots from sm_80
+        verified_on=(Verified("cpu", by="fw's CPU tests"),
+                     Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")),
         description="torch FlexAttention (torch.compile) over the paged KV cache through a block mask built "
                     "from the block table; sliding windows, soft-capping (compiles at first use)",
     ))

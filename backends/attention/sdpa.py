@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from fw.layers.attention import AttentionBackend, AttentionMetadata
-from fw.plugins import AttentionBackendSpec, hookimpl
+from fw.plugins import AttentionBackendSpec, Verified, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
 
 @dataclass
@@ -251,6 +251,9 @@ def fw_register_attention_backends(register) -> None:
         supports_logit_softcap=True,
         kv_cache_dtypes=("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
         priority=0,
+        # GPU: tests/test_*attention*.py -m gpu and the end-to-end runs (docs/attention-backends.md, GPU figures)
+        verified_on=(Verified("cpu", by="fw's CPU tests"),
+                     Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")),
         description="torch scaled_dot_product_attention over the paged KV cache (reference backend; "
                     "sliding windows, attention-logit soft-capping, bf16/fp8 KV cache)",
     ))

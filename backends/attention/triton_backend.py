@@ -28,9 +28,9 @@ import torch
 
 from fw.errors import UnsupportedConfigurationError
 from fw.layers.attention import AttentionBackend, AttentionMetadata
-from fw.plugins import AttentionBackendSpec, hookimpl
+from fw.plugins import AttentionBackendSpec, Verified, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # dtype_min_capability, kv_cache_dtype_min_capability, verified_on
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_HEAD_DIM = 256  # one [rows, head dim] tile per program: larger heads exhaust registers/shared memory
@@ -150,6 +150,11 @@ def fw_register_attention_backends(register) -> None:
         kv_cache_dtypes=("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
         priority=20,
         available=unavailable,
+        # Triton compiles bf16 `tl.dot` from sm_80 and e4m3 conversions from sm_89 (Ada, Hopper): not for sm_80.
+        dtype_min_capability={"bfloat16": (8, 0)},
+        kv_cache_dtype_min_capability={"bfloat16": (8, 0), "fp8_e4m3": (8, 9)},
+        # tests/test_triton_attention.py -m gpu (bf16/fp16/fp32, fp8 caches, greedy = sdpa) on an H200
+        verified_on=(Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh"),),
         description="Triton paged attention: split-K decode and ragged paged prefill (GQA, sliding windows, "
                     "soft-capping, bf16/fp8 KV cache)",
     ))

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from fw.layers import FusedExperts, MoeKernel
-from fw.plugins import MoeKernelSpec, hookimpl
+from fw.plugins import MoeKernelSpec, Verified, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
 
 class GroupedMoeKernel(MoeKernel):
@@ -48,5 +48,8 @@ def fw_register_moe_kernels(register) -> None:
         name="grouped",
         kernel_cls=GroupedMoeKernel,
         priority=0,
+        # on CUDA: tests/test_triton_moe.py -m gpu compares the triton kernel against it
+        verified_on=(Verified("cpu", by="fw's CPU tests"),
+                     Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")),
         description="torch reference: assignments sorted by expert, one matmul pair per active expert",
     ))

@@ -5,9 +5,10 @@ GEMM computes gate/up with the activation fused and one computes down with the r
 multiplied in (fw.backends.moe.triton_moe_kernels). Against `grouped` it saves the per-expert
 loop, its host sync and the gathered copy of x; it matches `grouped`'s rounding step for step.
 
-Chosen over `grouped` on CUDA (priority 10). float32 runs at IEEE precision, not TF32, so an fp32
-model gives the same tokens as the torch reference. The kernels run on CPU only under Triton's
-interpreter (TRITON_INTERPRET=1), which the tests use; the spec therefore declares CUDA only."""
+Ranked below `grouped` (priority -10) until its tiles are tuned (docs/moe-kernels.md). float32 runs
+at IEEE precision, not TF32, so an fp32 model gives the same tokens as the torch reference. The
+kernels run on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use; the
+spec therefore declares CUDA only."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import importlib.util
 import torch
 
 from fw.layers import FusedExperts, MoeKernel
-from fw.plugins import MoeKernelSpec, hookimpl
+from fw.plugins import MoeKernelSpec, Verified, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.2"  # dtype_min_capability, verified_on
 
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu")
 
@@ -54,6 +55,9 @@ def fw_register_moe_kernels(register) -> None:
         # than `grouped` on a Mixtral-8x7B layer at every token count. `--moe-backend triton` still names it.
         priority=-10,
         available=unavailable_reason,
+        dtype_min_capability={"bfloat16": (8, 0)},  # Triton's bf16 tl.dot
+        # tests/test_triton_moe.py -m gpu; on CPU it runs only under the interpreter (a test tool)
+        verified_on=(Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh"),),
         description="Triton fused MoE (vLLM-style): expert-sorted, block-padded grouped GEMMs with the "
                     "activation and routing weight fused",
     ))

@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from fw.bench.kernels_case import KernelCase
+from fw.devices import cuda_capability
 from fw.layers.attention import AttentionMetadata
 from fw.plugins.specs import AttentionRequirements
 
@@ -33,7 +34,8 @@ class AttentionShape:
 
 def requirements(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> AttentionRequirements:
     return AttentionRequirements(device=device.type, dtype=str(dtype).removeprefix("torch."),
-                                 head_size=shape.head_dim, page_size=shape.page_size)
+                                 head_size=shape.head_dim, page_size=shape.page_size,
+                                 capability=cuda_capability(device))
 
 
 def decode_metadata(batch: int, context: int, page_size: int, num_blocks: int, device: torch.device,

@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from fw.bench.kernels_case import KernelCase
+from fw.devices import cuda_capability
 from fw.layers import FusedExperts, ModelContext, topk_routing
 from fw.plugins.specs import MoeRequirements
 
@@ -34,7 +35,8 @@ class MoeShape:
 def requirements(device: torch.device, dtype: torch.dtype, shape: MoeShape) -> MoeRequirements:
     return MoeRequirements(device=device.type, dtype=str(dtype).removeprefix("torch."),
                            num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden_size,
-                           intermediate_size=shape.intermediate_size, activation=shape.activation)
+                           intermediate_size=shape.intermediate_size, activation=shape.activation,
+                           capability=cuda_capability(device))
 
 
 def build_experts(spec, device: torch.device, dtype: torch.dtype, shape: MoeShape, seed: int) -> FusedExperts:

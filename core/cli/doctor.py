@@ -101,6 +101,8 @@ def _candidate(row: dict) -> str:
         text += ": " + "; ".join(row["reasons"])
     if row.get("note"):
         text += f" [{row['note']}]"
+    if row.get("verified"):
+        text += f" {{verified on {row['verified']}}}"
     return text
 
 
@@ -134,6 +136,8 @@ def _section(key: str, title: str, flag: str, section: dict | None) -> list[str]
         lines += [_candidate(r) for r in section.get("candidates", [])]
     if section.get("note"):
         lines.append(f"    note: {section['note']}")
+    if section.get("warning"):
+        lines.append(f"    WARNING: {section['warning']}")
     if section.get("problem"):
         lines.append(f"    PROBLEM: {section['problem']}")
     return lines

@@ -24,6 +24,20 @@ def _priority_on(req: Any) -> Callable[[Any], int]:
     return lambda spec: spec.priority_on(req.device) if hasattr(spec, "priority_on") else spec.priority
 
 
+@dataclasses.dataclass(frozen=True)
+class _DeviceKind:
+    device: str
+    capability: tuple[int, int] | None = None
+
+
+def _verified_on(spec: Any, req: Any) -> str | None:
+    """Where `spec` was verified for `req`'s device kind ("cuda sm_90 (NVIDIA H200, 2026-11-25, ...)"), or None."""
+    from fw.plugins.specs import verification
+
+    record = verification(spec, req.device, getattr(req, "capability", None))
+    return str(record) if record is not None else None
+
+
 def _row(reg, status: str, reasons: list[str] | None = None, note: str | None = None, **extra: Any) -> dict:
     row = {"name": reg.spec.name, "plugin": reg.plugin, "distribution": reg.distribution, "status": status,
            "reasons": list(reasons or [])}
@@ -31,6 +45,25 @@ def _row(reg, status: str, reasons: list[str] | None = None, note: str | None = 
         row["note"] = note
     row.update(extra)
     return row
+
+
+def _requirements(req: Any) -> dict:
+    """The requirements as doctor shows them (a GPU's compute capability only on a GPU)."""
+    shown = dataclasses.asdict(req)
+    if shown.get("capability") is None:
+        shown.pop("capability", None)
+    return shown
+
+
+def _verified_clause(req: Any) -> str:
+    """How auto's ranking reads on `req`'s device: verified candidates first off the CPU."""
+    from fw.devices import describe
+    from fw.plugins.selection import prefers_verified
+
+    if not prefers_verified(req.device):
+        return ""
+    return (f", among those verified on {describe(req.device, getattr(req, 'capability', None))} first "
+            f"(unverified ones only when none is)")
 
 
 def _missing_row(name: str) -> dict:
@@ -314,19 +347,21 @@ class Diagnosis:
         requested = section["requested"]
         explicit = requested not in (None, "auto")
         try:
-            auto = select(registry, req, None).chosen
+            auto_selection = select(registry, req, None)
+            auto = auto_selection.chosen
             section["auto_choice"] = auto.name
         except FwError as exc:
-            auto, auto_error = None, str(exc)
+            auto_selection, auto, auto_error = None, None, str(exc)
         else:
             auto_error = None
         instead = (f"auto would choose {auto.name}" if auto is not None else "auto finds none that can run either")
         names = ", ".join(registry.names()) or "none"
+        selection = None
         if not explicit:
             if auto is None:
                 self.problem(auto_error, section)
             else:
-                section["chosen"] = auto.name
+                section["chosen"], selection = auto.name, auto_selection
         elif requested not in registry:
             section["candidates"].append(_missing_row(requested))
             self.problem(f"{flag} {requested}: not installed (no plugin registers {_ARTICLE[kind]} named "
@@ -334,22 +369,29 @@ class Diagnosis:
                          f"one; `fw plugins list --kind {kind}` lists them.", section)
         else:
             try:
-                section["chosen"] = select(registry, req, requested).chosen.name
+                selection = select(registry, req, requested)
+                section["chosen"] = selection.chosen.name
             except FwError as exc:
                 self.problem(f"{exc} Without {flag}, {instead}.", section)
+        if selection is not None and selection.warning:
+            section["warning"] = selection.warning
+            self.warnings.append(selection.warning)
         chosen = section["chosen"]
         rank = _priority_on(req)
         regs = sorted(registry.registrations(), key=lambda r: (-rank(r.spec), r.spec.name))
         for reg in regs:
             reasons = reg.spec.rejection_reasons(req)
+            checked = _verified_on(reg.spec, req)
             if reasons:
-                section["candidates"].append(_row(reg, "rejected", reasons, priority=rank(reg.spec)))
+                section["candidates"].append(_row(reg, "rejected", reasons, priority=rank(reg.spec),
+                                                  verified=checked))
             elif reg.spec.name == chosen:
-                section["candidates"].append(_row(reg, "chosen", priority=rank(reg.spec)))
+                section["candidates"].append(_row(reg, "chosen", priority=rank(reg.spec), verified=checked))
             else:
                 note = (f"not named by {flag}" if explicit else
-                        f"lower priority than {chosen}" if chosen else None)
-                section["candidates"].append(_row(reg, "accepted", note=note, priority=rank(reg.spec)))
+                        selection.passed_over.get(reg.spec.name) if selection is not None else None)
+                section["candidates"].append(_row(reg, "accepted", note=note, priority=rank(reg.spec),
+                                                  verified=checked))
         if explicit and chosen is None and auto is not None:
             section["instead"] = auto.name
         return section
@@ -360,15 +402,16 @@ class Diagnosis:
 
         req = attention_requirements(self.config, self.hf_config, self.dtype, self.device)
         section = self._by_priority("attention_backend", "attention_backend", req, select_attention_backend)
-        section["requirements"] = dataclasses.asdict(req)
+        section["requirements"] = _requirements(req)
         self.sections["attention_backend"] = section
         if section["requested"] == "auto" and section["chosen"]:
             spec = self.plugins.registry("attention_backend").get(section["chosen"])
             self.resolve("attention_backend", section["chosen"], f"plugin {section['chosen']}",
                          f"auto: the highest-priority backend that can run (priority {spec.priority_on(req.device)} "
-                         f"on {req.device})")
+                         f"on {req.device}){_verified_clause(req)}")
 
     def _moe(self) -> None:
+        from fw.devices import cuda_capability
         from fw.plugins.selection import select_moe_kernel
         from fw.plugins.specs import MoeRequirements
 
@@ -393,16 +436,20 @@ class Diagnosis:
             device=self.device.type, dtype=str(self.dtype).removeprefix("torch."), num_experts=experts,
             top_k=int(getattr(c, "num_experts_per_tok", None) or 1), hidden_size=c.hidden_size,
             intermediate_size=getattr(c, "moe_intermediate_size", None) or c.intermediate_size,
-            activation=getattr(c, "hidden_act", None) or "silu")
+            activation=getattr(c, "hidden_act", None) or "silu", capability=cuda_capability(self.device))
         section = self._by_priority("moe_kernel", "moe_backend", req, select_moe_kernel)
-        section["requirements"] = dataclasses.asdict(req)
+        section["requirements"] = _requirements(req)
         self.sections["moe_kernel"] = section
         if name == "auto" and section["chosen"]:
             self.resolve("moe_backend", section["chosen"], f"plugin {section['chosen']}",
-                         "auto: the highest-priority MoE kernel that can run")
+                         f"auto: the highest-priority MoE kernel that can run{_verified_clause(req)}")
 
     def _quantization(self) -> None:
+        from fw.devices import cuda_capability
         from fw.model_loader.loader import gguf_dequantizes_at_load
+        from fw.plugins.selection import unverified_warning
+
+        here = _DeviceKind(self.device.type, cuda_capability(self.device))
 
         cfg, registry = self.config, self.plugins.registry("quantization_method")
         section = {**self.requested("quantization"), "chosen": None, "candidates": []}
@@ -445,7 +492,14 @@ class Diagnosis:
                     self.problem(f"quantization {spec.name!r} cannot run here: {'; '.join(runs)}", section)
                 section["chosen"] = spec.name if not runs else None
                 how = "--quantization" if cfg.quantization else "detected from the checkpoint"
-                section["candidates"].append(_row(reg, "rejected" if runs else "chosen", runs, note=how))
+                section["candidates"].append(_row(reg, "rejected" if runs else "chosen", runs, note=how,
+                                                  verified=_verified_on(spec, here)))
+                warning = None if runs else unverified_warning(
+                    "quantization method", spec, here.device, here.capability,
+                    "--quantization names it" if cfg.quantization else "the checkpoint is in its format")
+                if warning:
+                    section["warning"] = warning
+                    self.warnings.append(warning)
             elif qcfg:
                 why = [] if reads else [f"does not read this checkpoint's format ({qcfg.get('quant_method', '?')})"]
                 note = "another method was chosen first" if not why else None

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fw.devices import cuda_capability
 from fw.errors import ConfigError, ModelLoadError
 from fw.layers.blocks import ACTIVATIONS, GatedMLP
 from fw.layers.context import ModelContext
@@ -120,7 +121,8 @@ class FusedExperts(nn.Module):
             )
         self.kernel: MoeKernel = chooser(MoeRequirements(
             device=ctx.device.type, dtype=str(ctx.dtype).removeprefix("torch."), num_experts=num_experts,
-            top_k=top_k, hidden_size=hidden_size, intermediate_size=intermediate_size, activation=hidden_act))
+            top_k=top_k, hidden_size=hidden_size, intermediate_size=intermediate_size, activation=hidden_act,
+            capability=cuda_capability(ctx.device)))
         # (expert, part) pairs loaded so far, to tell a complete checkpoint from a partial one
         self._loaded: dict[str, set] = {"gate_up_proj": set(), "down_proj": set()}
 

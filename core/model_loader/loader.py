@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fw.config import EngineConfig
+from fw.devices import cuda_capability
 from fw.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError, UnsupportedConfigurationError
 from fw.layers import cpu_ops, dense, packed_int
 from fw.layers.context import ModelContext
@@ -22,7 +23,7 @@ from fw.model_loader.hf import iter_safetensors, load_hf_config, load_tokenizer
 from fw.model_loader.quantized_weights import check_expert_tensors, check_method_supported
 from fw.model_loader.source import ModelSource, resolve_model
 from fw.plugins.manager import PluginManager
-from fw.plugins.selection import MoeKernelChooser, Selection, select_attention_backend
+from fw.plugins.selection import MoeKernelChooser, Selection, select_attention_backend, unverified_warning
 from fw.plugins.specs import ArchitectureSpec, AttentionRequirements
 from fw.warm import startup
 
@@ -161,7 +162,7 @@ def attention_requirements(cfg: EngineConfig, hf_config, dtype: torch.dtype,
         device=device.type, dtype=str(dtype).removeprefix("torch."), head_size=head_dim,
         page_size=cfg.kv_cache_page_size,
         sliding_window=sliding_window_needed(hf_config), logit_softcap=logit_softcap_needed(hf_config),
-        kv_cache_dtype=kv_cache_requirement(cfg.kv_cache_dtype, dtype),
+        kv_cache_dtype=kv_cache_requirement(cfg.kv_cache_dtype, dtype), capability=cuda_capability(device),
     )
 
 
@@ -185,6 +186,8 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     req = attention_requirements(cfg, hf_config, dtype, device)
     name = None if cfg.attention_backend == "auto" else cfg.attention_backend
     attention = select_attention_backend(plugins.registry("attention_backend"), req, name)
+    if attention.warning:
+        logger.warning("%s", attention.warning)
 
     quant_name, linear_method = _quantization(cfg, hf_config, arch, plugins, device, gguf is not None)
     head_from_embedding = gguf is not None and _keeps_tied_head(gguf, hf_config, linear_method, device)
@@ -296,4 +299,8 @@ def _quantization(cfg: EngineConfig, hf_config, arch: ArchitectureSpec, plugins:
     if reasons:
         raise UnsupportedConfigurationError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
     check_method_supported(arch, name)
+    warning = unverified_warning("quantization method", spec, device.type, cuda_capability(device),
+                                 "--quantization names it" if cfg.quantization else "the checkpoint is in its format")
+    if warning:
+        logger.warning("%s", warning)
     return name, spec.factory(qcfg or {})

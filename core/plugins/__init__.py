@@ -21,6 +21,7 @@ from fw.plugins.specs import (
     QuantizationMethodSpec,
     SamplerSpec,
     ToolParserSpec,
+    Verified,
 )
 from fw.version import PLUGIN_API_VERSION
 
@@ -38,4 +39,5 @@ __all__ = [
     "QuantizationMethodSpec",
     "SamplerSpec",
     "ToolParserSpec",
+    "Verified",
 ]

@@ -47,6 +47,7 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.plugins.specs.GrammarBackendSpec", "use"),
     ("fw.plugins.specs.ToolParserSpec", "use"),
     ("fw.plugins.specs.CliCommandSpec", "use"),
+    ("fw.plugins.specs.Verified", "use"),
     # the interfaces plugins implement
     ("fw.layers.attention.AttentionBackend", "impl"),
     ("fw.layers.linear.LinearMethod", "impl"),

@@ -24,10 +24,57 @@ def _device_and_dtype_reasons(spec, req) -> list[str]:
     return reasons
 
 
+def _capability_reasons(needs: dict[str, tuple[int, int]] | None, what: str, value: str,
+                        capability: tuple[int, int] | None) -> list[str]:
+    """Why `value` (a dtype, a KV-cache dtype) cannot run on a GPU of compute capability `capability`
+    when the spec declares `needs[value]` as the lowest one it compiles for. Unknown capability: no reason."""
+    need = (needs or {}).get(value)
+    if need is None or capability is None or tuple(capability) >= tuple(need):
+        return []
+    return [f"{what} {value} needs CUDA compute capability {need[0]}.{need[1]} or newer "
+            f"(sm_{need[0]}{need[1]}); this GPU is {capability[0]}.{capability[1]}"]
+
+
+def _capability_summary(needs: dict[str, tuple[int, int]] | None, key: str) -> dict:
+    return {key: {name: f"{c[0]}.{c[1]}" for name, c in needs.items()}} if needs else {}
+
+
 def _availability_reasons(spec) -> list[str]:
     """What the spec's `available()` says against running in this process (a missing package, no GPU)."""
     why = spec.available() if spec.available is not None else None
     return [why] if why else []
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A device kind an implementation has been verified on: its GPU-marked tests (or, for `cpu`, its
+    CPU tests) passed there. Specs list them in `verified_on`; on a GPU `auto` prefers implementations
+    verified on that GPU's kind, and naming an unverified one works with one warning.
+
+    `capability` is the CUDA compute capability ((9, 0) for sm_90: H100, H200); None stands for every
+    device of `device` (the CPU). `gpu`, `date` (ISO) and `by` (what ran) say where the claim comes from."""
+
+    device: str
+    capability: tuple[int, int] | None = None
+    gpu: str = ""
+    date: str = ""
+    by: str = ""
+
+    def covers(self, device: str, capability: tuple[int, int] | None = None) -> bool:
+        """True for a device of this kind. A device whose capability is unknown matches on its type."""
+        if device != self.device:
+            return False
+        return self.capability is None or capability is None or tuple(capability) == tuple(self.capability)
+
+    def __str__(self) -> str:
+        kind = self.device + (f" sm_{self.capability[0]}{self.capability[1]}" if self.capability else "")
+        where = ", ".join(x for x in (self.gpu, self.date, self.by) if x)
+        return f"{kind} ({where})" if where else kind
+
+
+def verification(spec: Any, device: str, capability: tuple[int, int] | None = None) -> Verified | None:
+    """The first of `spec.verified_on` that covers the device, or None (also for specs without the field)."""
+    return next((v for v in getattr(spec, "verified_on", ()) if v.covers(device, capability)), None)
 
 
 @dataclass(frozen=True)
@@ -77,6 +124,8 @@ class AttentionRequirements:
     logit_softcap: float | None = None
     # --kv-cache-dtype: "auto" when the cache holds K/V in the model dtype, else e.g. "fp8_e4m3"
     kv_cache_dtype: str = "auto"
+    # The GPU's CUDA compute capability, (9, 0) for sm_90; None on the CPU (or when unknown)
+    capability: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +153,12 @@ class AttentionBackendSpec:
     # can be fastest on one device and slow on another: the reference `sdpa` stays 0 on both. Last, so
     # positional arguments of existing specs keep their meaning.
     priority_by_device: dict[str, int] | None = field(default=None, hash=False)
+    # The lowest CUDA compute capability each model dtype / KV-cache dtype needs (e.g. {"bfloat16": (8, 0)}
+    # for Triton's bf16 dot, {"fp8_e4m3": (8, 9)}); unlisted ones run on any GPU the backend runs on.
+    dtype_min_capability: dict[str, tuple[int, int]] | None = field(default=None, hash=False)
+    kv_cache_dtype_min_capability: dict[str, tuple[int, int]] | None = field(default=None, hash=False)
+    # The device kinds its tests passed on (`Verified`); on a GPU auto prefers verified backends.
+    verified_on: tuple[Verified, ...] = ()
     kind = "attention_backend"
 
     def priority_on(self, device: str) -> int:
@@ -123,6 +178,10 @@ class AttentionBackendSpec:
         if req.kv_cache_dtype not in self.kv_cache_dtypes:
             reasons.append(f"KV cache dtype {req.kv_cache_dtype} not supported "
                            f"(supports {', '.join(self.kv_cache_dtypes)})")
+        if req.device == "cuda":
+            reasons += _capability_reasons(self.dtype_min_capability, "dtype", req.dtype, req.capability)
+            reasons += _capability_reasons(self.kv_cache_dtype_min_capability, "KV cache dtype",
+                                           req.kv_cache_dtype, req.capability)
         return reasons + _availability_reasons(self)
 
     def summary(self) -> dict:
@@ -136,6 +195,9 @@ class AttentionBackendSpec:
             "kv_cache_dtypes": list(self.kv_cache_dtypes),
             "priority": self.priority,
             **({"priority_by_device": dict(self.priority_by_device)} if self.priority_by_device else {}),
+            **_capability_summary(self.dtype_min_capability, "dtype_min_capability"),
+            **_capability_summary(self.kv_cache_dtype_min_capability, "kv_cache_dtype_min_capability"),
+            "verified_on": [str(v) for v in self.verified_on],
         }
 
 
@@ -150,6 +212,8 @@ class MoeRequirements:
     hidden_size: int
     intermediate_size: int
     activation: str  # HF `hidden_act` name, e.g. "silu"
+    # The GPU's CUDA compute capability, (9, 0) for sm_90; None on the CPU (or when unknown)
+    capability: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -168,12 +232,17 @@ class MoeKernelSpec:
     priority: int = 0
     available: Callable[[], str | None] | None = None
     description: str = ""
+    # As for attention backends: the lowest CUDA compute capability per dtype, and where it was verified.
+    dtype_min_capability: dict[str, tuple[int, int]] | None = field(default=None, hash=False)
+    verified_on: tuple[Verified, ...] = ()
     kind = "moe_kernel"
 
     def rejection_reasons(self, req: MoeRequirements) -> list[str]:
         reasons = _device_and_dtype_reasons(self, req)
         if self.activations is not None and req.activation not in self.activations:
             reasons.append(f"activation {req.activation!r} not supported (supports {', '.join(self.activations)})")
+        if req.device == "cuda":
+            reasons += _capability_reasons(self.dtype_min_capability, "dtype", req.dtype, req.capability)
         return reasons + _availability_reasons(self)
 
     def summary(self) -> dict:
@@ -182,6 +251,8 @@ class MoeKernelSpec:
             "dtypes": list(self.dtypes),
             "activations": None if self.activations is None else list(self.activations),
             "priority": self.priority,
+            **_capability_summary(self.dtype_min_capability, "dtype_min_capability"),
+            "verified_on": [str(v) for v in self.verified_on],
         }
 
 
@@ -197,10 +268,12 @@ class QuantizationMethodSpec:
     devices: tuple[str, ...] = ("cpu", "cuda")
     available: Callable[[], str | None] | None = None
     description: str = ""
+    # The device kinds its quantized matmuls were verified on (`Verified`); an unverified GPU gets a warning.
+    verified_on: tuple[Verified, ...] = ()
     kind = "quantization_method"
 
     def summary(self) -> dict:
-        return {"devices": list(self.devices)}
+        return {"devices": list(self.devices), "verified_on": [str(v) for v in self.verified_on]}
 
 
 @dataclass(frozen=True)
@@ -327,4 +400,6 @@ __all__ = [
     "GrammarBackendSpec",
     "ToolParserSpec",
     "CliCommandSpec",
+    "Verified",
+    "verification",
 ]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fw.devices import cuda_capability
 from fw.testing.suite import Case, SuiteTest, device_for, stable_seed, worst_difference
 
 OPTIONS = frozenset({"dtypes", "head_sizes", "page_sizes"})
@@ -119,7 +120,8 @@ def _case(spec: Any, c: dict, device: str) -> Case:
         parts.append(f"kv_{kv}")
     case_id = "-".join(parts)
     req = AttentionRequirements(device=device, dtype=c["dtype"], head_size=c["head"], page_size=c["page"],
-                                sliding_window=c.get("window"), logit_softcap=c.get("softcap"), kv_cache_dtype=kv)
+                                sliding_window=c.get("window"), logit_softcap=c.get("softcap"), kv_cache_dtype=kv,
+                                capability=cuda_capability(device))
     reasons = spec.rejection_reasons(req)
     if kv != "auto" and kv not in _KV_DTYPES:
         reasons = [*reasons, f"the kit has no reference for KV cache dtype {kv!r}"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fw.devices import cuda_capability
 from fw.testing.suite import Case, SuiteTest, device_for, stable_seed, worst_difference
 
 OPTIONS = frozenset({"dtypes"})
@@ -54,7 +55,8 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
     for c in cases:
         case_id = f"tokens{c['tokens']}-top{c['top_k']}-{c['act']}-{_SHORT[c['dtype']]}-weights_{c['routing']}"
         req = MoeRequirements(device=device, dtype=c["dtype"], num_experts=NUM_EXPERTS, top_k=c["top_k"],
-                              hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, activation=c["act"])
+                              hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, activation=c["act"],
+                              capability=cuda_capability(device))
         built.append(Case(case_id, c, "; ".join(spec.rejection_reasons(req)) or None))
     return [SuiteTest("test_matches_reference", lambda case: run_case(spec, case, device), built,
                       "The kernel's output equals a per-token, per-expert loop within the dtype's tolerance.")]
