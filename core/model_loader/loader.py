@@ -20,7 +20,7 @@ from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_w
 from fw.model_loader.hardware import cpu_has_native_bf16
 from fw.model_loader.kv_cache_dtype import KvScales, bind_kv_cache, kv_cache_requirement, resolve_kv_cache_dtype
 from fw.model_loader.hf import iter_safetensors, load_hf_config, load_tokenizer
-from fw.model_loader.quantized_weights import check_expert_tensors, check_method_supported
+from fw.model_loader.quantized_weights import check_expert_tensors, check_method_supported, warn_dense_experts
 from fw.model_loader.source import ModelSource, resolve_model
 from fw.plugins.manager import PluginManager
 from fw.plugins.selection import MoeKernelChooser, Selection, select_attention_backend, unverified_warning
@@ -203,6 +203,8 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     with torch.device("cpu"):
         model = arch.build(hf_config, ctx, max_length)
     check_built_layers(model, attention.chosen)
+    if quant_name is not None:
+        warn_dense_experts(model, quant_name)
     if quant_name is not None and gguf is None and getattr(hf_config, "quantization_config", None):
         check_expert_tensors(model, source.path, quant_name, arch.name)
     weights = _gguf_weights(cfg, gguf, arch, hf_config, dtype, linear_method, head_from_embedding) \

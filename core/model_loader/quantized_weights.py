@@ -9,6 +9,7 @@ that keeps the name `weight` (fp8), load fp8 codes without their scales."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from torch import nn
@@ -16,6 +17,8 @@ from torch import nn
 from fw.errors import UnsupportedConfigurationError
 from fw.layers.moe import FusedExperts
 from fw.plugins.specs import ArchitectureSpec
+
+logger = logging.getLogger("fw.loader")
 
 
 def check_method_supported(arch: ArchitectureSpec, name: str) -> None:
@@ -27,6 +30,20 @@ def check_method_supported(arch: ArchitectureSpec, name: str) -> None:
         f"architecture {arch.name} does not support quantization {name!r}; "
         + (f"it supports {', '.join(accepted)}" if accepted else "it takes no quantization method")
         + ". Drop --quantization, or use an unquantized checkpoint")
+
+
+def warn_dense_experts(model: nn.Module, method: str) -> bool:
+    """Log one warning when a model quantized with `method` has MoE experts: they stay dense (in the model
+    dtype), so most of a MoE model's weight bytes are not quantized. Returns whether it warned."""
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    if not layers:
+        return False
+    dtype = str(layers[0].gate_up_proj.dtype).removeprefix("torch.")
+    size = sum(p.numel() * p.element_size() for m in layers for p in (m.gate_up_proj, m.down_proj))
+    logger.warning("quantization %s: the MoE experts of %d layers stay dense in %s (%.2f GB); %s quantizes "
+                   "the linear layers only (fw has no quantized expert kernel yet)",
+                   method, len(layers), dtype, size / 1e9, method)
+    return True
 
 
 def check_expert_tensors(model: nn.Module, checkpoint: Path, method: str, arch_name: str) -> None:
