@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 
 import httpx
@@ -145,9 +146,13 @@ def test_metrics_have_every_name_with_model_and_backend_labels(server, http):
 
 
 def test_curl_line_with_the_key_works(server):
+    """The line reads the key from $FW_API_KEY: the key itself is in neither stdout nor the log."""
+    assert KEY not in server.stdout() and KEY not in server.log(), server.describe()
     line = next(ln for ln in server.stdout().splitlines() if ln.startswith("curl "))
-    assert f"Authorization: Bearer {KEY}" in line and f'"model": "{NAMES[0]}"' in line
-    done = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=60)
+    assert '-H "Authorization: Bearer $FW_API_KEY"' in line and f'"model": "{NAMES[0]}"' in line
+    assert '"temperature": 0' in line
+    done = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "FW_API_KEY": KEY})
     assert done.returncode == 0, done.stderr
     body = json.loads(done.stdout)
     assert body["object"] == "chat.completion" and body["model"] == NAMES[0], body

@@ -87,7 +87,9 @@ def _graceful_sigterm_exits_zero() -> None:
 
 def _announce_when_ready(server, config, name: str) -> None:
     """Print where to reach the server, with a ready-to-paste curl line, once it listens. The line
-    sets max_tokens: at OpenAI's default temperature a small model may ramble to the context limit."""
+    sets max_tokens and temperature 0: at OpenAI's default temperature a small model may ramble to
+    the context limit. With --api-key the line reads the key from $FW_API_KEY: stdout is often a
+    log, and a secret never goes into one."""
     original = server.startup
 
     async def startup(sockets=None) -> None:
@@ -96,11 +98,12 @@ def _announce_when_ready(server, config, name: str) -> None:
             mark_ready()  # logs `startup: ready N s after process start`
             host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
-            auth = f" -H 'Authorization: Bearer {config.api_key}'" if config.api_key else ""
-            print(f"fw: serving {name} at http://{host}:{port}/v1 (OpenAI API)\n"
+            auth = ' -H "Authorization: Bearer $FW_API_KEY"' if config.api_key else ""
+            key_note = " (set FW_API_KEY to the server's API key)" if config.api_key else ""
+            print(f"fw: serving {name} at http://{host}:{port}/v1 (OpenAI API){key_note}\n"
                   f"curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
                   f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-                  f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
+                  f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
 
     server.startup = startup
 
