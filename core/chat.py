@@ -7,9 +7,9 @@ from typing import Any
 from fw.errors import InvalidRequestError
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> dict[str, Any]:
-    """Returns {"prompt": text, "prompt_token_ids": ids}; the template adds any special tokens.
+def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
+    """The rendered prompt text, not yet tokenized: the server bounds its size first.
     `tools` (JSON-schema function descriptions) and the messages' `tool_calls` / `tool_call_id`
     go to the template as given: it decides how a model sees them."""
     if not messages:
@@ -21,9 +21,19 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         kwargs = dict(chat_template_kwargs or {})
         if tools is not None:
             kwargs["tools"] = tools
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **kwargs)
     except Exception as exc:  # template errors (role order, missing fields) are the caller's to fix
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    return {"prompt": text, "prompt_token_ids": ids}
+
+
+def chat_token_ids(tokenizer, text: str) -> list[int]:
+    """A rendered chat prompt's ids; the template already wrote any special tokens."""
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> dict[str, Any]:
+    """Returns {"prompt": text, "prompt_token_ids": ids}."""
+    text = chat_text(tokenizer, messages, add_generation_prompt, chat_template_kwargs, tools)
+    return {"prompt": text, "prompt_token_ids": chat_token_ids(tokenizer, text)}

@@ -392,7 +392,7 @@ CONVERSATION = [
 
 def test_template_that_shows_tools_gets_them(parsers) -> None:
     p = plan(parsers, tools=[GET_WEATHER, GET_TIME])
-    text = T.render_with_tools(hf_tokenizer(TOOLS_TEMPLATE), message_dicts(CONVERSATION), p, True, None)["prompt"]
+    text = T.render_with_tools(hf_tokenizer(TOOLS_TEMPLATE), message_dicts(CONVERSATION), p, True, None)
     assert text == ('<tools>get_weather;get_time;</tools><|user|>weather in Oslo?<|assistant|>'
                     '<tool_call>get_weather{"city": "Oslo"}</tool_call><|tool|>12 C<|assistant|>')
 
@@ -400,7 +400,7 @@ def test_template_that_shows_tools_gets_them(parsers) -> None:
 def test_template_that_ignores_tools_gets_a_tool_prompt(parsers) -> None:
     tok = hf_tokenizer(PLAIN_TEMPLATE)
     p = plan(parsers, tools=[GET_WEATHER], template=PLAIN_TEMPLATE + "<tool_call>")
-    text = T.render_with_tools(tok, message_dicts(CONVERSATION), p, True, None)["prompt"]
+    text = T.render_with_tools(tok, message_dicts(CONVERSATION), p, True, None)
     prompt = T.tool_prompt(p)
     assert prompt.startswith(T.TOOL_PROMPT + "\n\n" + json.dumps(GET_WEATHER["function"]))
     assert prompt.endswith(parsers.get("hermes").tool_prompt_format)  # auto: the parser's own format
@@ -410,7 +410,7 @@ def test_template_that_ignores_tools_gets_a_tool_prompt(parsers) -> None:
     p = plan(parsers, tools=[GET_WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
              tool_prompt="Functions:")
     text = T.render_with_tools(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
-                               p, True, None)["prompt"]
+                               p, True, None)
     assert text.startswith("<|system|>Be brief.\n\nFunctions:\n\n{")
     assert text.endswith(T.NAMED_FORMAT.format(name="get_weather") + "<|user|>hi<|assistant|>")
     required = plan(parsers, tools=[GET_WEATHER], tool_choice="required")

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fw.errors import FwError
-from fw.server import routes_chat, routes_completions, routes_misc
+from fw.server import body_errors, openapi, routes_chat, routes_completions, routes_misc
+from fw.server.logtext import quoted
 from fw.server.protocol import error_body
 from fw.server.state import ServerState
 from fw.version import __version__
@@ -28,13 +29,25 @@ def _error(state: ServerState | None, status: int, message: str, error_type: str
     return JSONResponse(error_body(message, error_type, status, param), status_code=status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+# Routes answered without the API key: probes and scrapers hold no key, and these tell nothing about
+# requests (up or down, counts and latencies, the version, the schema). Everything else needs it.
+OPEN_ROUTES = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+                         "/redoc"})
+
+
+def _validation_message(exc: RequestValidationError, request: Request) -> tuple[str, str | None]:
     """Pydantic's errors as one readable sentence, and the first offending field."""
+    if request.method in ("POST", "PUT", "PATCH") and not body_errors.is_json(request.headers.get("content-type")):
+        return body_errors.wrong_content_type(request.headers.get("content-type")), None
     parts, param = [], None
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        if not loc and err.get("type") == "missing":
+            return f"the request body is empty; {body_errors.SEND_JSON}", None
+        if not loc and not isinstance(err.get("input"), dict):
+            return body_errors.not_an_object(err.get("input")), None
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
         parts.append(f"{where}: {err.get('msg')}")
@@ -60,45 +73,46 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         if length is not None and length.isdigit() and int(length) > state.config.payload_limit:
             return _error(state, 413, f"the request body has {length} bytes, more than the "
                           f"{state.config.payload_limit} allowed (--payload-limit)", "invalid_request_error")
-        if state.config.api_key is not None and request.url.path.startswith("/v1/"):
+        if state.config.api_key is not None and request.url.path not in OPEN_ROUTES:
             given = request.headers.get("authorization", "")
             expected = f"Bearer {state.config.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
                 return _error(state, 401, "invalid or missing API key: send `Authorization: Bearer <key>`",
                               "authentication_error")
         if state.config.log_requests and request.method == "POST":
-            logger.info("%s %s from %s", request.method, request.url.path,
+            logger.info("%s %s from %s", request.method, quoted(request.url.path),
                         request.client.host if request.client else "?")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, request)
         return _error(state, 400, message, "invalid_request_error", param)
 
     @app.exception_handler(FwError)
     async def on_fw_error(request: Request, exc: FwError):
         if exc.status_code >= 500:
-            logger.error("request failed: %s", exc)
+            logger.error("request failed: %s", quoted(exc))
         return _error(state, exc.status_code, str(exc), exc.error_type, getattr(exc, "param", None))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
-        if exc.status_code == 400 and "parsing the body" in message:  # e.g. bytes that are not UTF-8
-            message = "the request body could not be read as JSON text: send UTF-8 encoded JSON"
+        if exc.status_code == 400 and "parsing the body" in message:  # the JSON parser raised: say why
+            message = body_errors.unreadable(exc.__cause__)
         return _error(state, exc.status_code, message, kind)
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
+        logger.exception("unhandled error on %s", quoted(request.url.path))
         return _error(state, 500, "internal server error; see the server log", "internal_error")
 
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)
     app.include_router(routes_misc.router)
     _add_plugin_routes(app, state)
+    openapi.install(app)
     return app
 
 

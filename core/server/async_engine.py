@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import torch
 
@@ -27,6 +27,7 @@ from fw.errors import FwError
 from fw.sampling.params import SamplingParams
 
 logger = logging.getLogger("fw.server")
+T = TypeVar("T")
 
 
 class EngineFaultError(FwError):
@@ -133,11 +134,15 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
+    async def in_tokenizer_thread(self, work: Callable[[], T]) -> T:
+        """Run `work` (a chat template, tokenizing) on the tokenizer's worker thread: on the event
+        loop a long prompt stalls every stream, and tokenizers release the GIL while they split."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
+
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize on a worker thread of its own: a long prompt must not stall the engine's steps."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._tokenizer_pool, lambda: self.engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        """Tokenize on the tokenizer's worker thread (see `in_tokenizer_thread`)."""
+        return await self.in_tokenizer_thread(
+            lambda: self.engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread and await its result (or exception)."""

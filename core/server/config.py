@@ -19,8 +19,9 @@ class ServerConfig:
     served_model_name: list[str] = field(default_factory=list, metadata=_opt(
         "Name(s) clients use for the model (repeatable; the first is listed first). "
         "Default: the model's directory or file name.", repeatable=True))
-    api_key: str | None = field(default=None, metadata=_opt(
-        "Require `Authorization: Bearer KEY` on every /v1 route (also FW_API_KEY)."))
+    api_key: str | None = field(default=None, repr=False, metadata=_opt(  # repr=False: a secret stays out of logs
+        "Require `Authorization: Bearer KEY` on every route but /health, /metrics, /version and the API schema "
+        "(also FW_API_KEY)."))
     max_concurrent_requests: int = field(default=128, metadata=_opt(
         "Requests in flight at most; more get HTTP 429 at once."))
     max_queue_size: int | None = field(default=None, metadata=_opt(

@@ -14,6 +14,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fw.server.limits import CHAT_RANGES, RANGES, Range
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -49,6 +51,12 @@ def _check_text(data: Any) -> None:
             stack.extend(value)
 
 
+def _bounded(default: Any, name: str, ranges: dict[str, Range] = RANGES) -> Any:
+    """A sampling field whose bounds (fw.server.limits) show in /openapi.json; the routes check
+    them, so every out-of-range value gets the same message naming the field and its range."""
+    return Field(default, json_schema_extra=ranges[name].schema())
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -64,22 +72,22 @@ class SamplingFields(_Request):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=16)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = _bounded(1, "n")
+    temperature: float | None = _bounded(None, "temperature")
+    top_p: float | None = _bounded(None, "top_p")
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = _bounded(None, "seed")
+    presence_penalty: float = _bounded(0.0, "presence_penalty")
+    frequency_penalty: float = _bounded(0.0, "frequency_penalty")
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM-style extras (extra_body)
-    top_k: int | None = None
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    top_k: int | None = _bounded(None, "top_k")
+    min_p: float | None = _bounded(None, "min_p")
+    repetition_penalty: float | None = _bounded(None, "repetition_penalty")
+    min_tokens: int = _bounded(0, "min_tokens")
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -99,8 +107,8 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = _bounded(16, "max_tokens")
+    logprobs: int | None = _bounded(None, "logprobs")
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -123,10 +131,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = _bounded(None, "max_tokens", CHAT_RANGES)
+    max_completion_tokens: int | None = _bounded(None, "max_completion_tokens", CHAT_RANGES)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = _bounded(None, "top_logprobs")
     # tool calling (fw.server.tools, docs/tool-calling.md); tool_prompt is TGI's name
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -165,3 +173,16 @@ def now() -> int:
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error shape; `code` carries the HTTP status, as vLLM does."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error status (see `error_body`), for /openapi.json."""
+
+    error: ErrorDetail

@@ -10,6 +10,9 @@ from fastapi import APIRouter, Request
 from fw.errors import InvalidRequestError
 from fw.grammar.contract import GrammarError
 from fw.server.convert import chat_logprobs, sampling_params
+from fw.server.limits import CHAT_RANGES, check_limits
+from fw.server.openapi import error_responses
+from fw.server.prompts import chat_prompt
 from fw.server.protocol import ChatCompletionRequest, ChatMessage, new_id, now
 from fw.server.state import ServerState
 from fw.server.streaming import merged, respond, sse
@@ -25,14 +28,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequestError(
-                        f"messages[{i}].content: only text parts are supported, got {part.get('type')!r}",
-                        param="messages")
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = "".join(_part_text(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content))
         entry = {"role": m.role, "content": content or ""}
         if m.name:
             entry["name"] = m.name
@@ -41,31 +37,46 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-@router.post("/v1/chat/completions")
+def _part_text(part: dict, where: str) -> str:
+    """A content part's text; the message says which part and what is wrong with it."""
+    kind = part.get("type")
+    if kind != "text":
+        raise InvalidRequestError(f"{where}: only text parts are supported, got type {kind!r}", param="messages")
+    if "text" not in part:
+        raise InvalidRequestError(f'{where}: a text part needs a "text" field with its text', param="messages")
+    if not isinstance(part["text"], str):
+        raise InvalidRequestError(f'{where}: "text" must be a string, got {type(part["text"]).__name__}',
+                                  param="messages")
+    return part["text"]
+
+
+@router.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 413, 429, 500, 503))
 async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.fw
     model = state.model_name(req.model)
     state.note_ignored(req)
+    check_limits(req, CHAT_RANGES, state.engine.engine.vocab_size)
     engine = state.engine.engine
     plan = plan_tools(req, engine.plugins.registry("tool_parser"), engine.config.tool_call_parser,
                       getattr(state.tokenizer, "chat_template", None))
-    rendered = render_with_tools(state.tokenizer, message_dicts(req.messages), plan, req.add_generation_prompt,
-                                 req.chat_template_kwargs)
+    messages = message_dicts(req.messages)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = tool_sampling_params(req, plan, lambda r: sampling_params(r, max_tokens, top if req.logprobs else None))
-    request_id = new_id("chatcmpl")
-    prompt = [(rendered["prompt"], rendered["prompt_token_ids"])]
-    job = _Chat(state, req, model, request_id, len(rendered["prompt_token_ids"]), top, plan)
-    try:
-        return await respond(state, request, req.stream, prompt, params, request_id, job)
-    except GrammarError as exc:
-        if plan is None or not plan.constrains:
-            raise
-        raise InvalidRequestError(f"tools: a function's parameters schema cannot constrain the output: {exc}",
-                                  param="tools") from None
+    with state.admission() as permit:  # before rendering and tokenizing: a busy server refuses at once
+        text, ids = await chat_prompt(state, lambda: render_with_tools(
+            state.tokenizer, messages, plan, req.add_generation_prompt, req.chat_template_kwargs))
+        request_id = new_id("chatcmpl")
+        job = _Chat(state, req, model, request_id, len(ids), top, plan)
+        try:
+            return await respond(state, request, permit, req.stream, [(text, ids)], params, request_id, job)
+        except GrammarError as exc:
+            if plan is None or not plan.constrains:
+                raise
+            raise InvalidRequestError(f"tools: a function's parameters schema cannot constrain the output: {exc}",
+                                      param="tools") from None
 
 
 class _Chat:

@@ -7,6 +7,9 @@ from fastapi import APIRouter, Request
 
 from fw.errors import InvalidRequestError
 from fw.server.convert import CompletionLogprobs, sampling_params
+from fw.server.limits import RANGES, check_limits
+from fw.server.openapi import error_responses
+from fw.server.prompts import text_prompt_ids
 from fw.server.protocol import CompletionRequest, new_id, now
 from fw.server.state import ServerState
 from fw.server.streaming import merged, respond, sse
@@ -14,30 +17,26 @@ from fw.server.streaming import merged, respond, sse
 router = APIRouter()
 
 
-def _prompt_list(prompt) -> list:
+def _prompt_list(prompt) -> list[str | list[int]]:
+    """The request's prompts, each a string or a non-empty list of token ids (checked here, cheaply,
+    before the request is admitted)."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return list(prompt)
-
-
-async def _tokenized(state: ServerState, prompts: list) -> list[tuple[str | None, list[int]]]:
-    out = []
+    prompts = [list(prompt)] if all(isinstance(p, int) for p in prompt) else list(prompt)
     for p in prompts:
-        if isinstance(p, str):
-            out.append((p, await state.engine.tokenize(p)))
-        elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-            out.append((None, p))
-        else:
+        if not (isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p))):
             raise InvalidRequestError("each prompt must be a non-empty string or a non-empty list of token ids",
                                       param="prompt")
-    return out
+    return prompts
 
 
-@router.post("/v1/completions")
+async def _tokenized(state: ServerState, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+    return [(p, await text_prompt_ids(state, p)) if isinstance(p, str) else (None, p) for p in prompts]
+
+
+@router.post("/v1/completions", responses=error_responses(400, 401, 404, 413, 429, 500, 503))
 async def create_completion(req: CompletionRequest, request: Request):
     state: ServerState = request.app.state.fw
     model = state.model_name(req.model)
@@ -47,12 +46,15 @@ async def create_completion(req: CompletionRequest, request: Request):
                                   param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of is not supported; use n", param="best_of")
-    prompts = await _tokenized(state, _prompt_list(req.prompt))
+    check_limits(req, RANGES, state.engine.engine.vocab_size)
+    prompt_list = _prompt_list(req.prompt)
     prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
     params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
-    request_id = new_id("cmpl")
-    job = _Completion(state, req, model, request_id, prompts)
-    return await respond(state, request, req.stream, prompts, params, request_id, job)
+    with state.admission() as permit:  # before tokenizing: a busy server refuses at once
+        prompts = await _tokenized(state, prompt_list)
+        request_id = new_id("cmpl")
+        job = _Completion(state, req, model, request_id, prompts)
+        return await respond(state, request, permit, req.stream, prompts, params, request_id, job)
 
 
 class _Completion:

@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fw.chat import render_chat
 from fw.errors import InvalidRequestError
+from fw.server.openapi import error_responses
 from fw.server.protocol import DetokenizeRequest, TokenizeRequest, error_body
 from fw.server.routes_chat import message_dicts
 from fw.server.state import ServerState
@@ -21,7 +22,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.fw
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=error_responses(401))
 async def list_models(request: Request) -> dict:
     state = _state(request)
     return {"object": "list", "data": [
@@ -31,7 +32,7 @@ async def list_models(request: Request) -> dict:
     ]}
 
 
-@router.get("/health")
+@router.get("/health", responses=error_responses(503))
 async def health(request: Request) -> Response:
     state = _state(request)
     if state.engine.alive and not state.draining:
@@ -44,20 +45,26 @@ async def version() -> dict:
     return {"version": __version__, "plugin_api": PLUGIN_API_VERSION}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=error_responses(400, 401, 404, 413, 429, 503))
 async def tokenize(req: TokenizeRequest, request: Request) -> dict:
+    """Counts every prompt as given (no byte bound: the count is what a client asks for); the work
+    runs off the event loop and holds an admission slot, as a generation request's would."""
     state = _state(request)
     state.model_name(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
-    if req.messages is not None:
-        tokens = render_chat(state.tokenizer, message_dicts(req.messages))["prompt_token_ids"]
-    else:
-        tokens = await state.engine.tokenize(req.prompt, req.add_special_tokens)
+    messages = message_dicts(req.messages) if req.messages is not None else None
+    with state.admission() as permit:
+        if messages is not None:
+            tokens = await state.engine.in_tokenizer_thread(
+                lambda: render_chat(state.tokenizer, messages)["prompt_token_ids"])
+        else:
+            tokens = await state.engine.tokenize(req.prompt, req.add_special_tokens)
+    permit.release()
     return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_length}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=error_responses(400, 401, 404, 413, 429, 503))
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
     state = _state(request)
     state.model_name(req.model)
@@ -65,10 +72,13 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-    return {"prompt": state.tokenizer.decode(req.tokens)}
+    with state.admission() as permit:
+        text = await state.engine.in_tokenizer_thread(lambda: state.tokenizer.decode(req.tokens))
+    permit.release()
+    return {"prompt": text}
 
 
-@router.get("/v1/fw/plugins")
+@router.get("/v1/fw/plugins", responses=error_responses(401))
 async def plugins(request: Request) -> dict:
     return {"plugins": _state(request).engine.engine.plugins.inventory()}
 

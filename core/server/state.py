@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from functools import cached_property
+from typing import AsyncIterator, Iterator
 
 from fw.engine.outputs import RequestOutput
-from fw.errors import FwError, InvalidRequestError
+from fw.errors import FwError
 from fw.sampling.params import SamplingParams
 from fw.server.async_engine import AsyncEngine, RequestStream
 from fw.server.config import ServerConfig
+from fw.server.logtext import quoted_all
 from fw.server.metrics import ServerMetrics
+from fw.server.prompts import PromptLimits
 
 logger = logging.getLogger("fw.server")
 
@@ -68,9 +72,21 @@ class ServerState:
         """Unknown fields are accepted for compatibility, but never silently: they are logged."""
         ignored = req.ignored_fields()
         if ignored:
-            logger.warning("ignored request fields: %s", ", ".join(ignored))
+            logger.warning("ignored request fields: %s", quoted_all(ignored))
 
-    def admit(self) -> None:
+    @contextmanager
+    def admission(self) -> Iterator["Permit"]:
+        """Admit a request before its expensive work (rendering, tokenizing), as TGI takes its permit
+        first: a server with every slot busy answers 429 at once, whatever the prompt's size. The
+        permit is given back if the block raises; otherwise whoever answers gives it back."""
+        permit = self.admit()
+        try:
+            yield permit
+        except BaseException:
+            permit.release()
+            raise
+
+    def admit(self) -> "Permit":
         if self.draining:
             raise ShuttingDownError("the server is shutting down; retry on another replica")
         if self.in_flight >= self.config.max_concurrent_requests:
@@ -81,15 +97,14 @@ class ServerState:
         if limit is not None and self.engine.stats["num_waiting"] >= limit:
             raise OverloadedError(f"the queue is full ({limit} requests waiting, --max-queue-size); retry later")
         self.in_flight += 1
+        return Permit(self)
 
-    def release(self) -> None:
-        self.in_flight -= 1
+    @cached_property
+    def prompt_limits(self) -> PromptLimits:
+        return PromptLimits(self.max_input_tokens, self.tokenizer)
 
     def check_prompt(self, num_tokens: int) -> None:
-        if num_tokens > self.max_input_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {num_tokens} tokens, more than the {self.max_input_tokens} this server accepts "
-                f"(--max-input-tokens); shorten it", param="prompt")
+        self.prompt_limits.check_tokens(num_tokens)
 
     async def add(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                   request_id: str) -> RequestStream:
@@ -124,3 +139,17 @@ class ServerState:
         finally:
             self.metrics.request_finished(list(reasons.values()), num_prompt_tokens, generated,
                                           time.monotonic() - arrival)
+
+
+class Permit:
+    """One admitted request's slot; releasing it twice gives back one slot, so every path that
+    ends a request may release it without counting who did first."""
+
+    def __init__(self, state: ServerState):
+        self._state = state
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._state.in_flight -= 1

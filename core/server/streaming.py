@@ -17,7 +17,7 @@ from fw.engine.outputs import RequestOutput
 from fw.errors import FwError
 from fw.server.async_engine import RequestStream
 from fw.server.protocol import error_body
-from fw.server.state import ServerState
+from fw.server.state import Permit, ServerState
 
 logger = logging.getLogger("fw.server")
 _DONE = object()
@@ -104,25 +104,24 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def respond(state: ServerState, request: Request, stream: bool,
+async def respond(state: ServerState, request: Request, permit: Permit, stream: bool,
                   prompts: list[tuple[str | None, list[int]]], params, request_id: str, job) -> Response:
-    """Admit the request, queue its prompts, then answer: SSE events (`job.events`) or the
-    collected JSON (`job.collect`). The admission slot is released and unfinished engine
+    """Queue an admitted request's prompts, then answer: SSE events (`job.events`) or the
+    collected JSON (`job.collect`). The admission `permit` is released and unfinished engine
     requests are aborted however the answer ends."""
-    state.admit()
     try:
         streams = await add_all(state, prompts, params, request_id)
     except BaseException:
-        state.release()
+        permit.release()
         raise
     if stream:
-        return EventStream(state, streams, job.events(streams))
+        return EventStream(state, permit, streams, job.events(streams))
     try:
         return JSONResponse(await unless_disconnected(request, job.collect(streams)))
     finally:
         for s in streams:
             s.close()  # a no-op for finished requests; aborts any left by a cancelled collect
-        state.release()
+        permit.release()
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -133,10 +132,11 @@ class EventStream(StreamingResponse):
     """SSE response that releases the request's admission slot and aborts its
     unfinished engine requests when it ends, including when it never started."""
 
-    def __init__(self, state: ServerState, streams: list[RequestStream], events: AsyncIterator[str]):
+    def __init__(self, state: ServerState, permit: Permit, streams: list[RequestStream],
+                 events: AsyncIterator[str]):
         super().__init__(_with_errors(state, events), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._state = state
+        self._permit = permit
         self._streams = streams
 
     async def __call__(self, scope, receive, send) -> None:
@@ -145,7 +145,7 @@ class EventStream(StreamingResponse):
         finally:
             for stream in self._streams:
                 stream.close()
-            self._state.release()
+            self._permit.release()
 
 
 async def _with_errors(state: ServerState, events: AsyncIterator[str]) -> AsyncIterator[str]:

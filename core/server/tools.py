@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from fw.chat import render_chat
+from fw.chat import chat_text
 from fw.errors import InvalidRequestError, UnknownImplementationError
 from fw.grammar.constraint import StructuredOutputsParams
 from fw.plugins.registry import Registry
@@ -273,16 +273,17 @@ def tool_message_fields(message, index: int) -> dict:
 
 
 def render_with_tools(tokenizer, messages: list[dict], plan: ToolPlan | None, add_generation_prompt: bool,
-                      chat_template_kwargs: dict | None) -> dict:
-    """The prompt: the template given `tools`; if it ignores them (same text with and without),
-    the messages with a tool prompt in the system message instead (see `tool_prompt`)."""
+                      chat_template_kwargs: dict | None) -> str:
+    """The prompt text: the template given `tools`; if it ignores them (same text with and without),
+    the messages with a tool prompt in the system message instead (see `tool_prompt`). Text only:
+    the caller bounds and tokenizes it once."""
     if plan is None:
-        return render_chat(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
-    with_tools = render_chat(tokenizer, messages, add_generation_prompt, chat_template_kwargs, tools=plan.tools)
-    without = render_chat(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
-    if with_tools["prompt"] != without["prompt"]:
+        return chat_text(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+    with_tools = chat_text(tokenizer, messages, add_generation_prompt, chat_template_kwargs, tools=plan.tools)
+    without = chat_text(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+    if with_tools != without:
         return with_tools
-    return render_chat(tokenizer, with_tool_prompt(messages, plan), add_generation_prompt, chat_template_kwargs)
+    return chat_text(tokenizer, with_tool_prompt(messages, plan), add_generation_prompt, chat_template_kwargs)
 
 
 def tool_prompt(plan: ToolPlan) -> str:
