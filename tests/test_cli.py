@@ -93,7 +93,7 @@ def test_plugins_list_json_and_kind_filter(capsys):
     assert {"llama", "sdpa", "samplers"} <= set(rows)
     assert rows["sdpa"] == {
         "name": "sdpa", "distribution": "fw", "version": __version__, "module": "fw.backends.attention.sdpa",
-        "api_version": "1.0", "status": "loaded", "error": None, "warnings": [],
+        "api_version": "1.2", "status": "loaded", "error": None, "warnings": [],
         "provides": {"attention_backend": ["sdpa"]}, "overrides": {},
     }
     samplers = listed(capsys, "--kind", "sampler")

@@ -122,7 +122,7 @@ class FlexBackend(AttentionBackend):
             raise UnsupportedConfigurationError(
                 f"the flex backend on CUDA needs KV pages of a power of two of at least 16 tokens (a page is "
                 f"a kernel tile); got --kv-cache-page-size {p}. Pass --kv-cache-page-size 16 or another backend.")
-        t = int(meta.query_start_loc[-1]) if meta.num_seqs else 0
+        t = sum(meta.query_lens)  # from the host: no device sync
         padded = max(2, -(-t // Q_BLOCK)) * Q_BLOCK
         row_seq = torch.full((padded,), meta.num_seqs, dtype=torch.int32)
         row_pos = torch.zeros(padded, dtype=torch.int32)

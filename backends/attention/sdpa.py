@@ -22,6 +22,7 @@ attention, so attention itself still runs in the model dtype."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -139,7 +140,7 @@ class SdpaBackend(AttentionBackend):
         """The prefill chunks of a step (the sequences after the decode group), each with its pages and mask."""
         p = meta.page_size
         prefills = []
-        starts = meta.query_start_loc.tolist()
+        starts = [0, *itertools.accumulate(meta.query_lens)]  # query_start_loc, from the host (no device sync)
         for i in range(meta.num_decodes, meta.num_seqs):
             q, k = meta.query_lens[i], meta.seq_lens[i]
             blocks = meta.block_tables[i, : -(-k // p)]

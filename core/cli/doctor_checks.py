@@ -189,6 +189,12 @@ class Diagnosis:
             self.resolve("device", str(self.device), "fw",
                          "auto: a CUDA device is available" if self.device.type == "cuda" else
                          "auto: no CUDA device is available here, so the CPU")
+        if self.config.enable_torch_compile:
+            from fw.compile.modes import cuda_graph_refusal
+
+            why = cuda_graph_refusal(self.config.compile_mode, self.device.type)
+            if why:
+                self.problem(why)
         return True
 
     def _architecture(self) -> bool:

@@ -31,6 +31,7 @@ from torch import nn
 from fw.compile.buckets import StepBuckets
 from fw.compile.cache import CacheEntry
 from fw.compile.isolated import compile_isolated
+from fw.compile.modes import check_compile_mode
 from fw.compile.ops import step_context
 from fw.compile.traceable import make_traceable
 from fw.config import COMPILE_MODES
@@ -56,6 +57,8 @@ class CompiledStep:
                  cache: CacheEntry | None = None):
         if mode not in COMPILE_MODES:
             raise FwError(f"--compile-mode must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
+        device = next(model.parameters(), torch.empty(0)).device
+        check_compile_mode(mode, device.type)
         self.model = model
         self.buckets = buckets
         self.cache = cache
@@ -125,17 +128,28 @@ class CompiledStep:
             self.compiled_tokens.add(bucket)
         return hidden[:n]
 
-    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """fp32 logits [len(rows), vocab] of the given rows of `hidden`."""
+    def padded_rows(self, rows: list[int]) -> list[int]:
+        """`rows` padded with row 0 up to their batch bucket (unchanged above the largest bucket or with the
+        head uncompiled): the index `logits` selects with, which the runner uploads with the step's metadata."""
+        bucket = self.buckets.batch_bucket(len(rows))
+        if bucket is None or not self.head_compiled:
+            return rows
+        return rows + [0] * (bucket - len(rows))
+
+    def logits(self, hidden: torch.Tensor, rows: list[int], index: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [len(rows), vocab] of the given rows of `hidden`; `index` is `padded_rows(rows)` already on
+        the device when the caller has it (else it is made here)."""
         n = len(rows)
         bucket = self.buckets.batch_bucket(n)
         if bucket is None or not self.head_compiled:
             if bucket is None:
                 self._warn_once("batch", f"a step sampling {n} rows is above the largest batch bucket "
                                          f"{self.buckets.batch[-1]}: its output layer runs uncompiled")
-            index = torch.tensor(rows, device=hidden.device)
+            if index is None or index.shape[0] != n:
+                index = torch.tensor(rows, device=hidden.device)
             return self.model.compute_logits(hidden.index_select(0, index)).float()
-        index = torch.tensor(rows + [0] * (bucket - n), device=hidden.device)
+        if index is None or index.shape[0] != bucket:
+            index = torch.tensor(rows + [0] * (bucket - n), device=hidden.device)
         selected = hidden.index_select(0, index)
         with self._context(0), self._compiling_if(bucket not in self.compiled_batch):
             logits = self._head(selected)

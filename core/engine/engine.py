@@ -25,7 +25,7 @@ from fw.engine.scheduler import Scheduler
 from fw.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from fw.grammar.service import GrammarService, SequenceGrammar
 from fw.grammar.tokenizer import GrammarTokenizer
-from fw.model_loader.loader import load_model
+from fw.model_loader.loader import load_model, resolve_device
 from fw.plugins.manager import PluginManager, get_plugin_manager
 from fw.sampling.batch import SamplingBatch
 from fw.sampling.params import SamplingParams
@@ -55,6 +55,10 @@ class LLMEngine:
             self.plugins.raise_if_strict()
         if config.custom_architectures:
             self.plugins.add_custom_architectures(config.custom_architectures)
+        if config.enable_torch_compile:  # refused modes fail before any weight is read
+            from fw.compile.modes import check_compile_mode  # here: fw.compile's import costs start-up time
+
+            check_compile_mode(config.compile_mode, resolve_device(config.device).type)
         loaded = self.loaded = load_model(config, self.plugins)
         self.tokenizer = loaded.tokenizer
         self.max_length = loaded.max_length

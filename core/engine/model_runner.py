@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fw.devices import guard as device_guard
 from fw.engine.cpu_runtime import advise_huge_pages
 from fw.engine.request import Sequence
 from fw.layers.attention import Attention, AttentionMetadata
@@ -20,6 +21,28 @@ class StepLogits:
     sample_logits: torch.Tensor | None  # [len(sample_seqs), V] float32
     # (sequence, first prompt position predicted, logits [k, V]) for prompt logprobs
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]]
+
+
+def upload(parts: tuple[list[int], ...], device: torch.device) -> list[torch.Tensor]:
+    """Int64 tensors of `parts` on `device`, from one host buffer: on CUDA one pinned buffer and one
+    non-blocking copy per step (not a synchronous copy per tensor); on the CPU one tensor and views of it,
+    nothing pinned or copied. The tensors are views of one buffer (each starting 16-byte aligned, so Triton
+    specialises kernels on their pointers alike every step): read them, do not resize them."""
+    flat: list[int] = []
+    for part in parts:
+        flat.extend(part)
+        if len(part) % 2:
+            flat.append(0)
+    buffer = torch.tensor(flat, dtype=torch.long)
+    if device.type == "cuda":
+        buffer = buffer.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        buffer = buffer.to(device)
+    views, start = [], 0
+    for part in parts:
+        views.append(buffer[start:start + len(part)])
+        start += len(part) + len(part) % 2
+    return views
 
 
 def _cache_dtype(layer: Attention, model_dtype: torch.dtype) -> torch.dtype:
@@ -61,6 +84,7 @@ class ModelRunner:
         slots: list[int] = []
         seq_lens: list[int] = []
         starts = [0]
+        sample_seqs, sample_rows = [], []
         for seq, n in zip(seqs, num_new):
             c = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[c:c + n])
@@ -68,44 +92,45 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[pos // p] * p + pos % p for pos in range(c, c + n))
             seq_lens.append(c + n)
+            if c + n == seq.num_tokens:  # the step ends at its last token: sample its next one
+                sample_seqs.append(seq)
+                sample_rows.append(starts[-1] + n - 1)
             starts.append(starts[-1] + n)
         max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
-        dev = self.device
+        tables: list[int] = []  # [B, max_blocks] row-major, padded with page 0
+        for seq in seqs:
+            tables.extend(seq.block_table)
+            tables.extend([0] * (max_blocks - len(seq.block_table)))
+        index_rows = self.compiled.padded_rows(sample_rows) if self.compiled is not None else sample_rows
+        ids, pos, slot_mapping, query_start_loc, seq_lens_tensor, block_tables, rows = upload(
+            (input_ids, positions, slots, starts, seq_lens, tables, index_rows), self.device)
         meta = AttentionMetadata(
             num_decodes=sum(1 for n in num_new if n == 1),
             query_lens=num_new,
             seq_lens=seq_lens,
-            query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=query_start_loc,
+            seq_lens_tensor=seq_lens_tensor,
+            block_tables=block_tables.view(len(seqs), max_blocks),
+            slot_mapping=slot_mapping,
             page_size=p,
         )
-        meta.backend_state = self.backend.prepare(meta)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids, pos, meta) if self.compiled is None else self.compiled.forward(ids, pos, meta)
-
-        sample_seqs, sample_rows, prompt_logits = [], [], []
-        for seq, n, start in zip(seqs, num_new, starts):
-            c = seq.num_computed_tokens
-            if seq.params.prompt_logprobs is not None and not seq.request.prompt_logprobs_done and seq.index == 0:
-                # Position j's logits predict token j + 1; keep those whose target is a prompt token.
-                last = min(c + n, seq.num_prompt_tokens - 1)
-                if last > c:
-                    rows = hidden[start:start + (last - c)]
-                    prompt_logits.append((seq, c + 1, self.model.compute_logits(rows).float()))
-            if c + n == seq.num_tokens:
-                sample_seqs.append(seq)
-                sample_rows.append(start + n - 1)
-        logits = None
-        if sample_rows and self.compiled is not None:
-            logits = self.compiled.logits(hidden, sample_rows)
-        elif sample_rows:
-            logits = self._as_fp32(self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)]))
+        with device_guard(self.device):
+            meta.backend_state = self.backend.prepare(meta)
+            hidden = self.model(ids, pos, meta) if self.compiled is None else self.compiled.forward(ids, pos, meta)
+            prompt_logits = []
+            for seq, n, start in zip(seqs, num_new, starts):
+                c = seq.num_computed_tokens
+                if seq.params.prompt_logprobs is not None and not seq.request.prompt_logprobs_done and seq.index == 0:
+                    # Position j's logits predict token j + 1; keep those whose target is a prompt token.
+                    last = min(c + n, seq.num_prompt_tokens - 1)
+                    if last > c:
+                        prompt_rows = hidden[start:start + (last - c)]
+                        prompt_logits.append((seq, c + 1, self.model.compute_logits(prompt_rows).float()))
+            logits = None
+            if sample_rows and self.compiled is not None:
+                logits = self.compiled.logits(hidden, sample_rows, index=rows)
+            elif sample_rows:
+                logits = self._as_fp32(self.model.compute_logits(hidden.index_select(0, rows)))
         return StepLogits(sample_seqs, logits, prompt_logits)
 
     def _as_fp32(self, logits: torch.Tensor) -> torch.Tensor:
