@@ -487,3 +487,76 @@ def test_doctor_refuses_reduce_overhead_on_a_gpu(capsys, monkeypatch, gqa_dir):
                  "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert any(p.startswith("--compile-mode reduce-overhead captures CUDA graphs") for p in report["problems"])
+
+
+# -- on a real GPU (pytest -m gpu tests/test_gpu_safety.py; skipped without CUDA) -------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_capability_is_read_and_auto_prefers_what_was_verified_on_it():
+    from fw.devices import cuda_capability, gpu_name
+
+    capability = torch.cuda.get_device_capability()
+    assert cuda_capability(torch.device("cuda")) == capability and gpu_name(torch.device("cuda"))
+    req = dataclasses.replace(CUDA, capability=capability)
+    selection = select_attention_backend(builtin_manager().registry("attention_backend"), req)
+    if capability == (9, 0) and not selection.rejected.get("triton"):
+        assert selection.chosen.name == "triton" and selection.verified is not None and selection.warning is None
+    elif not any(verification(s, "cuda", capability) for s in _builtin("attention_backend").values()):
+        assert selection.warning and "has not been verified" in selection.warning
+    fp8 = dataclasses.replace(req, kv_cache_dtype="fp8_e4m3")
+    triton_reasons = _builtin("attention_backend")["triton"].rejection_reasons(fp8)
+    assert any("8.9" in r for r in triton_reasons) == (capability < (8, 9))
+
+
+@pytest.mark.gpu
+def test_gpu_upload_is_one_pinned_copy_with_the_right_values():
+    from fw.engine.model_runner import upload
+
+    parts = ([5, 6, 7], [], [1], list(range(100)))
+    views = upload(parts, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert all(v.device.type == "cuda" for v in views)
+    assert [v.tolist() for v in views] == [list(p) for p in parts]
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_steps_upload_once_run_with_their_device_current_and_match_the_cpu(monkeypatch, gqa_dir):
+    import fw.engine.model_runner as model_runner
+
+    prompts = ["Hello world", "The engine schedules every request in pages.", "a", "b c d"]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in make_llm(gqa_dir, attention_backend="sdpa").generate(prompts, params)]
+    index = torch.cuda.device_count() - 1  # the last GPU: not the current device when there are several
+    llm = make_llm(gqa_dir, device=f"cuda:{index}")
+    runner = llm.engine.runner
+    current = []
+    runner.model.register_forward_pre_hook(lambda module, args: current.append(torch.cuda.current_device()))
+    counting, counts = _CountingTorch(), []
+    original = runner.execute
+
+    def execute(seqs, num_new):
+        before = counting.tensors
+        out = original(seqs, num_new)
+        counts.append(counting.tensors - before)
+        return out
+
+    monkeypatch.setattr(model_runner, "torch", counting)
+    runner.execute = execute
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert counts and set(counts) == {1}
+    assert current and set(current) == {index}
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_cuda_graph_modes_and_runs_fp8_e4m3_on_triton_where_it_compiles(gqa_dir):
+    with pytest.raises(UnsupportedConfigurationError, match="captures CUDA graphs"):
+        make_llm(gqa_dir, device="cuda", compile_mode="reduce-overhead")
+    if torch.cuda.get_device_capability() < (8, 9):
+        llm = make_llm(gqa_dir, device="cuda", kv_cache_dtype="fp8_e4m3")
+        assert llm.engine.loaded.attention.chosen.name != "triton"
+    else:
+        llm = make_llm(gqa_dir, device="cuda", kv_cache_dtype="fp8_e4m3", attention_backend="triton")
+    assert llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
