@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.errors import UnsupportedConfigurationError
-from fw.layers import Linear
+from fw.layers import Linear, packed_int
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers._packing import is_lm_head, skipped_in_checkpoint
@@ -163,21 +163,42 @@ class Fp8LinearMethod(LinearMethod):
         _check(layer, "weight_scale", (scale.numel(),), (size,))  # per channel: [out] or [out, 1]
         target.narrow(0, start, size).copy_(scale.reshape(-1))
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """A bf16 model on a CPU with fw's packed kernels: the e4m3 codes and their scales (one per row and
+        block of 32 inputs) in the kernels' f8 layout, replacing the plain fp8 matrix. The kernel widens the
+        codes to bf16 in registers and multiplies them with bf16 activations, exactly as the reference path
+        does in bf16; an fp32 model keeps the reference path (the kernel would round its activations)."""
+        layer.packed_int = None
+        kb = layer.input_size // packed_int.BLOCK
+        if self.block is not None and self.block[1] % packed_int.BLOCK:
+            return  # a scale block that splits a block of 32 inputs: the reference path
+        if layer.params_dtype != torch.bfloat16 or not packed_int.applies(layer.device, layer.input_size, fp8=True):
+            return
+        scale = self._scales(layer)[:, :: packed_int.BLOCK][:, :kb]
+        weight = packed_int.pack(packed_int.Fp8Blocks(layer.weight.data, scale))
+        layer.weight = nn.Parameter(weight.data, requires_grad=False)
+        layer.packed_int = [weight]
+
     # -- running ----------------------------------------------------------------------------------
+
+    def _scales(self, layer: Linear) -> torch.Tensor:
+        """The fp32 scale of every weight [out, in] (per row, or per block of a block-wise checkpoint)."""
+        scale, (out, inp) = layer.weight_scale.float(), (layer.output_size, layer.input_size)
+        if self.block is None:
+            return scale.unsqueeze(1).expand(out, inp)
+        b0, b1 = self.block
+        return scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:, :inp]
 
     def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
         """The weight as `dtype` [out, in]: fp8 value times its scale, computed in fp32."""
-        w = fp8_to(layer.weight, torch.float32)
-        scale = layer.weight_scale
-        if self.block is None:
-            w.mul_(scale.unsqueeze(1))
-        else:
-            b0, b1 = self.block
-            full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:, : w.shape[1]]
-            w.mul_(full)
+        if getattr(layer, "packed_int", None) is not None:
+            raise RuntimeError(f"{layer.prefix}: repacked for fw's packed kernels; the fp8 matrix is gone")
+        w = fp8_to(layer.weight, torch.float32).mul_(self._scales(layer))
         return w if dtype == torch.float32 else w.to(dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "packed_int", None) is not None:
+            return packed_int.layer_forward(layer, x)
         if self.block is not None:
             return F.linear(x, self.dequantized(layer, x.dtype), layer.bias)
         if _scaled_mm_usable(x, layer.weight):

@@ -92,11 +92,12 @@ def hf_model():
 
 
 def make_llm(path: Path, **options):
-    """An fp32 engine on a tiny model with a small explicit KV cache (the default budget is 1 GiB)."""
+    """An engine on a tiny model, fp32 unless told, with a small explicit KV cache (the default budget is 1 GiB)."""
     from fw import LLM
 
     options.setdefault("num_kv_blocks", 256)
-    return LLM(model=str(path), dtype="float32", **options)
+    options.setdefault("dtype", "float32")
+    return LLM(model=str(path), **options)
 
 
 def record_steps(llm) -> list[list[int]]:

@@ -1,5 +1,5 @@
-"""fw's packed-int CPU kernels (fw.layers.packed_int): 4-bit (w = d q + m) and 8-bit (w = d q) blocks of 32,
-activations quantized to int8 per block inside the kernel.
+"""fw's packed CPU kernels (fw.layers.packed_int): 4-bit (w = d q + m) and 8-bit (w = d q) blocks of 32,
+activations quantized to int8 per block inside the kernel; fp8 e4m3 (w = s code) widened to bf16 in registers.
 
 Two references: `reference_linear` (the activations quantized the kernel's way, then a float64 product with
 the dequantized weight), which the kernels must meet within fp32 rounding; and the plain dequantize-then-
@@ -45,6 +45,49 @@ def test_kernel_matches_references(m, n, k, bits, dtype):
     torch.testing.assert_close(out.float(), got.float().to(dtype).float(), rtol=0, atol=0)
 
 
+needs_f8 = pytest.mark.skipif(not packed_int.applies("cpu", 32, fp8=True), reason="no AVX512-BF16/VBMI CPU")
+
+
+def _fp8_blocks(n: int, k: int, gen: torch.Generator) -> packed_int.Fp8Blocks:
+    """Every e4m3 value appears (subnormals, +-448, zeros of both signs), NaN codes left out."""
+    raw = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0x80  # NaN -> -0
+    raw.view(-1)[: min(256, raw.numel())] = torch.arange(256, dtype=torch.uint8)[: min(256, raw.numel())] % 0x7F
+    scale = torch.rand(n, k // 32, generator=gen) * 1e-3 + 1e-5
+    return packed_int.Fp8Blocks(raw.view(torch.float8_e4m3fn), scale)
+
+
+@needs_f8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
+def test_f8_kernel_matches_references(m, n, k, dtype):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    blocks = _fp8_blocks(n, k, gen)
+    weight = packed_int.pack(blocks)
+    x = (torch.randn(m, k, generator=gen) * 4).to(dtype)
+    got = packed_int.packed_linear(x, [weight], fp32_out=True).double()
+    emulated = packed_int.reference_linear(x, blocks)  # bf16 activations, exact weights
+    assert (got - emulated).abs().max() <= 1e-5 * emulated.abs().max()
+    if dtype == torch.bfloat16:  # the plain dequantize-then-matmul: the same numbers, fp32 sums
+        exact = x.double() @ blocks.dequantize().double().T
+        assert (got - exact).abs().max() <= 1e-5 * exact.abs().max()
+    out = packed_int.packed_linear(x, [weight])
+    torch.testing.assert_close(out.float(), got.float().to(dtype).float(), rtol=0, atol=0)
+
+
+@needs_f8
+def test_f8_subnormal_codes_count():
+    """e4m3 subnormals (codes 0x01..0x07, values 2^-9 .. 7 * 2^-9) become normal bf16: vdpbf16ps flushes bf16
+    subnormals, which a bit-shift widening would have produced."""
+    codes = torch.zeros(16, 32, dtype=torch.uint8)
+    codes[torch.arange(7), torch.arange(7)] = torch.arange(1, 8, dtype=torch.uint8)
+    codes[7, 7] = 0x81  # -2^-9
+    weight = packed_int.pack(packed_int.Fp8Blocks(codes.view(torch.float8_e4m3fn), torch.ones(16, 1)))
+    got = packed_int.packed_linear(torch.ones(1, 32), [weight], fp32_out=True)[0, :8]
+    want = torch.tensor([1, 2, 3, 4, 5, 6, 7, -1]) * 2.0 ** -9
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_fused_groups_of_both_formats_stack_by_rows():
     gen = torch.Generator().manual_seed(1)
     parts = [_blocks(4, 40, 64, gen), _blocks(8, 24, 64, gen), _blocks(4, 3, 64, gen)]
@@ -85,6 +128,7 @@ def test_layout_is_checked():
 def test_switch_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
     assert not packed_int.ready() and not packed_int.applies("cpu", 64)
+    assert not packed_int.applies("cpu", 64, fp8=True)
     monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
     assert packed_int.applies("cpu", 64) and not packed_int.applies("cpu", 48) and not packed_int.applies("cuda", 64)
 
@@ -95,10 +139,12 @@ def test_ops_trace_under_torch_compile():
 
     ops.register_fused_cpu_fakes()
     gen = torch.Generator().manual_seed(4)
-    q4, q8 = packed_int.pack(_blocks(4, 40, 64, gen)), packed_int.pack(_blocks(8, 24, 64, gen))
+    weights = [packed_int.pack(_blocks(4, 40, 64, gen)), packed_int.pack(_blocks(8, 24, 64, gen))]
+    if packed_int.applies("cpu", 64, fp8=True):
+        weights.append(packed_int.pack(_fp8_blocks(8, 64, gen)))
 
     def f(x):
-        return packed_int.packed_linear(x, [q4, q8], fp32_out=True) * 2
+        return packed_int.packed_linear(x, weights, fp32_out=True) * 2
 
     x = torch.randn(3, 64, generator=gen)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")

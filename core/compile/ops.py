@@ -123,7 +123,7 @@ def register_fused_cpu_fakes() -> None:
             torch.library.register_fake("fw_dense::linear_bf16_gated")(_dense_gate_up_fake)
             _dense_faked = True
         if not _packed_int_faked and packed_int.ready():
-            for name in ("linear_q4", "linear_q8"):
+            for name in ("linear_q4", "linear_q8", "linear_f8"):
                 torch.library.register_fake(f"fw_packed_int::{name}")(_packed_int_fake)
             _packed_int_faked = True
 

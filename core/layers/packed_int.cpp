@@ -1,5 +1,5 @@
-// Matrix products on 4-bit and 8-bit block-quantized weights, on CPUs with AVX512-VNNI (fw/layers/packed_int.py
-// packs the weights and calls this).
+// Matrix products on 4-bit and 8-bit block-quantized weights and on fp8 (e4m3) weights, on CPUs with AVX512-VNNI
+// and AVX512-BF16 (fw/layers/packed_int.py packs the weights and calls this).
 //
 // Why: a quantized model is quantized to be read faster. Dequantizing a layer's weight to bf16 on every call
 // (fw's reference paths) costs more than the bytes it saved; these kernels read each packed weight once and
@@ -7,20 +7,28 @@
 //
 // Weights: blocks of 32 inputs. A 4-bit weight is w = d * q + m with q in 0..15 (GGUF Q4_0/Q4_1, GPTQ and
 // AWQ groups all take this form); an 8-bit weight is w = d * q with q in -127..127 (GGUF Q8_0, row-wise int8).
-// d and m are fp16, one per output row and block.
+// d and m are fp16, one per output row and block. An fp8 weight is w = s * e4m3 code, s fp32 per row and block.
 //
 // Layout: output rows in tiles of 16 (the last tile padded with zero rows), the tile's blocks in input order,
 // each (tile, block) a record of fixed size:
 //   q4: 256 bytes of codes, then 16 fp16 d, then 16 fp16 m                         (320 bytes, 5 bits/weight)
-//   q8: 512 bytes of codes, then 16 fp16 d, then 16 int32 128 * sum(q) of the row  (608 bytes)
+//   q8: 512 bytes of codes, then 16 fp16 d, then 16 int16 sum(q) of the row         (576 bytes)
+//   f8: 512 bytes of e4m3 codes, then 16 fp32 s                                      (576 bytes)
+// Records are whole cache lines (5 and 9 of 64 bytes): a 64-byte load never straddles two.
 // Codes are ordered so that one 64-byte vector holds, for each of the 16 rows, 4 consecutive inputs
 // (row r at bytes 4r..4r+3): vpdpbusd with 4 activation bytes broadcast gives 16 row sums at once.
 // q4 vector p (0..3) packs two such vectors: its low nibbles are inputs 8p..8p+3, its high nibbles 8p+4..8p+7.
+// f8 vector j (0..7) holds inputs 4j..4j+3 of the 16 rows: in 128-bit lane l (rows 4l..4l+3), bytes 0..7 are
+// inputs 4j, 4j+1 of each row in turn and bytes 8..15 inputs 4j+2, 4j+3. Widened to bf16 by byte unpacks
+// (E4m3Lookup) they become two vectors of the 16 rows' pairs, which one vdpbf16ps each multiplies with a
+// broadcast activation pair.
 //
 // Activations: each row's block of 32 is quantized to int8 with scale amax / 127 (round to nearest even),
 // and its code sum kept, as llama.cpp's Q8_1. Then, per row and block, exactly in int32:
 //   q4: sum_k (d q_k + m) x_k ~ dx (d sum(q_k xq_k) + m sum(xq_k))
 //   q8: vpdpbusd takes unsigned x bytes: xq + 128, and sum((xq + 128) q) - 128 sum(q) = sum(xq q).
+//   f8: activations rounded to bf16 (exact when they are bf16), each e4m3 code widened exactly to bf16 by a
+//       table lookup; products exact, sums fp32 (vdpbf16ps), as fw's dense bf16 kernel.
 // Results are fp32 sums over blocks in input order, written as fp32 or rounded once to bf16.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,6 +47,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define FW_PACKED_INT 1
 #include <immintrin.h>
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define FW_PACKED_F8 1  // the f8 kernel: vdpbf16ps and vpermi2b as well
+#endif
 #endif
 
 namespace {
@@ -46,11 +57,27 @@ namespace {
 constexpr int64_t TILE = 16;        // output rows per tile
 constexpr int64_t BLOCK = 32;       // inputs per block
 constexpr int64_t Q4_RECORD = 320;  // bytes per (tile, block)
-constexpr int64_t Q8_RECORD = 608;
+constexpr int64_t Q8_RECORD = 576;
+constexpr int64_t F8_RECORD = 576;
 constexpr int MR = 4;               // activation rows per pass over a tile's blocks
+constexpr int64_t PREFETCH_AHEAD = 4608;  // bytes: records are requested this far ahead of the one in use
+
+enum class Kind { Q4, Q8, F8 };
+
+constexpr int64_t record_bytes(Kind kind) {
+  return kind == Kind::Q4 ? Q4_RECORD : kind == Kind::Q8 ? Q8_RECORD : F8_RECORD;
+}
 
 bool available() {
 #ifdef FW_PACKED_INT
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool f8_available() {
+#ifdef FW_PACKED_F8
   return true;
 #else
   return false;
@@ -64,6 +91,14 @@ struct QuantizedRows {
   std::vector<int8_t> codes;   // [M, K]
   std::vector<float> scale;    // [M, KB]
   std::vector<float> scaled_sum;  // [M, KB]: scale * sum of the block's int8 codes
+};
+
+// What a tile kernel reads of the activations: int8 blocks (q4, q8) or bf16 rows (f8), K inputs a row.
+struct Acts {
+  const QuantizedRows* q = nullptr;
+  const uint16_t* bf16 = nullptr;  // row r at bf16 + r * ld
+  int64_t ld = 0;
+  int64_t K = 0;
 };
 
 template <typename T>
@@ -104,13 +139,22 @@ inline __m512 load_half16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Prefetch instructions never fault: past the weight's end they are dropped.
+template <int64_t RECORD>
+inline void prefetch_record(const uint8_t* p) {
+  for (int64_t line = 0; line < RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
 // One tile (16 output rows) times `rows` (1..MR) activation rows, over all KB blocks: acc[r] = 16 row sums.
 template <int ROWS>
-void q4_tile(const uint8_t* tile, int64_t KB, const QuantizedRows& a, int64_t m0, int64_t K, __m512* acc) {
+void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
+  const QuantizedRows& a = *acts.q;
+  const int64_t K = acts.K;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* rec = tile + b * Q4_RECORD;
+    prefetch_record<Q4_RECORD>(rec + PREFETCH_AHEAD);
     __m512i w[8];
     for (int p = 0; p < 4; ++p) {
       const __m512i v = _mm512_loadu_si512(rec + 64 * p);
@@ -134,14 +178,18 @@ void q4_tile(const uint8_t* tile, int64_t KB, const QuantizedRows& a, int64_t m0
 }
 
 template <int ROWS>
-void q8_tile(const uint8_t* tile, int64_t KB, const QuantizedRows& a, int64_t m0, int64_t K, __m512* acc) {
+void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
+  const QuantizedRows& a = *acts.q;
+  const int64_t K = acts.K;
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* rec = tile + b * Q8_RECORD;
+    prefetch_record<Q8_RECORD>(rec + PREFETCH_AHEAD);
     __m512i w[8];
     for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(rec + 64 * j);
     const __m512 d = load_half16(rec + 512);
-    const __m512i correction = _mm512_loadu_si512(rec + 544);
+    const __m512i correction =  // 128 * sum(q) per row
+        _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 544))), 7);
     for (int r = 0; r < ROWS; ++r) {
       const int32_t* x = reinterpret_cast<const int32_t*>(a.codes.data() + (m0 + r) * K + b * BLOCK);
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -157,16 +205,78 @@ void q8_tile(const uint8_t* tile, int64_t KB, const QuantizedRows& a, int64_t m0
   }
 }
 
-template <int ROWS, bool Q4>
-void tile_rows(const uint8_t* tile, int64_t KB, const QuantizedRows& a, int64_t m0, int64_t K, __m512* acc) {
-  if constexpr (Q4) q4_tile<ROWS>(tile, KB, a, m0, K, acc);
-  else q8_tile<ROWS>(tile, KB, a, m0, K, acc);
+#ifdef FW_PACKED_F8
+// bf16 of every non-negative e4m3 code (0..127), split into low and high bytes: a code's value is exactly a
+// normal bf16 (e4m3 subnormals included, which vdpbf16ps would flush to zero as bf16 subnormals).
+struct E4m3Table {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  E4m3Table() {
+    for (int i = 0; i < 128; ++i) {
+      const int e = i >> 3, m = i & 7;
+      const float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      lo[i] = uint8_t(bits >> 16);
+      hi[i] = uint8_t(bits >> 24);
+    }
+  }
+};
+const E4m3Table kE4m3;
+
+// 64 e4m3 codes -> two vectors of 32 bf16: vpermi2b looks up each code's low and high byte (7 bits of index),
+// the sign bit joins the high byte, and the byte unpacks pair them (within each 128-bit lane: bytes 0..7 of a
+// lane to `first`, 8..15 to `second`; pack() orders the codes for this).
+struct E4m3Lookup {
+  __m512i lo0 = _mm512_load_si512(kE4m3.lo), lo1 = _mm512_load_si512(kE4m3.lo + 64);
+  __m512i hi0 = _mm512_load_si512(kE4m3.hi), hi1 = _mm512_load_si512(kE4m3.hi + 64);
+  inline void widen(const uint8_t* p, __m512bh& first, __m512bh& second) const {
+    const __m512i c = _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c,
+                                                 _mm512_set1_epi8(char(0x80)), 0xF8);  // hi | (c & 0x80)
+    first = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    second = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+  }
+};
+
+template <int ROWS>
+void f8_tile(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc) {
+  const E4m3Lookup table;
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* rec = tile + b * F8_RECORD;
+    prefetch_record<F8_RECORD>(rec + PREFETCH_AHEAD);
+    __m512bh w[16];
+    for (int j = 0; j < 8; ++j) table.widen(rec + 64 * j, w[2 * j], w[2 * j + 1]);
+    const __m512 s = _mm512_loadu_ps(rec + 512);
+    for (int r = 0; r < ROWS; ++r) {
+      const int32_t* x = reinterpret_cast<const int32_t*>(a.bf16 + (m0 + r) * a.ld + b * BLOCK);
+      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+      for (int p = 0; p < 16; p += 2) {
+        s0 = _mm512_dpbf16_ps(s0, w[p], (__m512bh)_mm512_set1_epi32(x[p]));
+        s1 = _mm512_dpbf16_ps(s1, w[p + 1], (__m512bh)_mm512_set1_epi32(x[p + 1]));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), s, acc[r]);
+    }
+  }
 }
 
-template <bool Q4>
-void run(const QuantizedRows& a, const uint8_t* w, int64_t M, int64_t N, int64_t K, bool fp32_out, void* out) {
-  const int64_t KB = K / BLOCK, NT = (N + TILE - 1) / TILE;
-  const int64_t tile_bytes = KB * (Q4 ? Q4_RECORD : Q8_RECORD);
+#endif
+
+template <int ROWS, Kind KIND>
+void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc) {
+  if constexpr (KIND == Kind::Q4) q4_tile<ROWS>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::Q8) q8_tile<ROWS>(tile, KB, a, m0, acc);
+#ifdef FW_PACKED_F8
+  else f8_tile<ROWS>(tile, KB, a, m0, acc);
+#endif
+}
+
+template <Kind KIND>
+void run(const Acts& a, const uint8_t* w, int64_t M, int64_t N, bool fp32_out, void* out) {
+  const int64_t KB = a.K / BLOCK, NT = (N + TILE - 1) / TILE;
+  const int64_t tile_bytes = KB * record_bytes(KIND);
   at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
     __m512 acc[MR];
     for (int64_t t = t0; t < t1; ++t) {
@@ -176,10 +286,10 @@ void run(const QuantizedRows& a, const uint8_t* w, int64_t M, int64_t N, int64_t
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int rows = int(std::min<int64_t>(MR, M - m0));
         switch (rows) {
-          case 4: tile_rows<4, Q4>(tile, KB, a, m0, K, acc); break;
-          case 3: tile_rows<3, Q4>(tile, KB, a, m0, K, acc); break;
-          case 2: tile_rows<2, Q4>(tile, KB, a, m0, K, acc); break;
-          default: tile_rows<1, Q4>(tile, KB, a, m0, K, acc); break;
+          case 4: tile_rows<4, KIND>(tile, KB, a, m0, acc); break;
+          case 3: tile_rows<3, KIND>(tile, KB, a, m0, acc); break;
+          case 2: tile_rows<2, KIND>(tile, KB, a, m0, acc); break;
+          default: tile_rows<1, KIND>(tile, KB, a, m0, acc); break;
         }
         for (int r = 0; r < rows; ++r) {
           if (fp32_out) {
@@ -195,8 +305,11 @@ void run(const QuantizedRows& a, const uint8_t* w, int64_t M, int64_t N, int64_t
 }
 #endif
 
-void check_weight(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t record, const char* op) {
-  TORCH_CHECK(available(), op, ": this build has no AVX512-VNNI kernel");
+void check_weight(const at::Tensor& x, const at::Tensor& w, int64_t N, Kind kind, const char* op) {
+  const int64_t record = record_bytes(kind);
+  const bool f8 = kind == Kind::F8;
+  TORCH_CHECK(f8 ? f8_available() : available(), op, ": this build has no kernel for it (",
+              f8 ? "AVX512-BF16 or AVX512-VBMI" : "AVX512-VNNI", " missing)");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               op, ": x must be a float32 or bfloat16 CPU tensor [M, K]");
@@ -207,30 +320,69 @@ void check_weight(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t r
               op, ": the packed weight does not hold ", N, " x ", K, " weights");
 }
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool fp32_out, bool q4) {
-  const char* op = q4 ? "linear_q4" : "linear_q8";
-  check_weight(x_in, w, N, q4 ? Q4_RECORD : Q8_RECORD, op);
+#ifdef FW_PACKED_INT
+// x as bf16 rows the f8 kernel can read in place, or a rounded copy (nearest even) in `copy`.
+const uint16_t* bf16_rows(const at::Tensor& x, std::vector<uint16_t>& copy, int64_t& ld) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kBFloat16) {
+    ld = x.stride(0);
+    return reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
+  }
+  copy.resize(size_t(M * K));
+  ld = K;
+  const float* src = x.const_data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t k = 0; k < K; k += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(copy.data() + r * K + k),
+                            fw_simd::to_bf16_bits(_mm512_loadu_ps(src + r * x.stride(0) + k)));
+  });
+  return copy.data();
+}
+#endif
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool fp32_out, int kind_index) {
+  static const char* names[] = {"linear_q4", "linear_q8", "linear_f8"};
+  const Kind kind = Kind(kind_index);
+  const char* op = names[kind_index];
+  check_weight(x_in, w, N, kind, op);
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
-  thread_local QuantizedRows a;  // reused: a decode step calls this ~120 times with the same sizes
-  if (x.scalar_type() == at::kFloat) quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), !q4, a);
-  else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), !q4, a);
+  thread_local QuantizedRows q;  // reused: a decode step calls this ~120 times with the same sizes
+  thread_local std::vector<uint16_t> rounded;
+  Acts a;
+  a.K = K;
+  if (kind == Kind::F8) {
+    a.bf16 = bf16_rows(x, rounded, a.ld);
+  } else {
+    if (x.scalar_type() == at::kFloat) quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), kind == Kind::Q8, q);
+    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), kind == Kind::Q8, q);
+    a.q = &q;
+  }
   const bool write_fp32 = out.scalar_type() == at::kFloat;
-  if (q4) run<true>(a, w.const_data_ptr<uint8_t>(), M, N, K, write_fp32, out.data_ptr());
-  else run<false>(a, w.const_data_ptr<uint8_t>(), M, N, K, write_fp32, out.data_ptr());
+  const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
+#ifdef FW_PACKED_F8
+  else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());
+#endif
 #endif
   return out;
 }
 
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out) {
-  return linear(x, w, N, fp32_out, true);
+  return linear(x, w, N, fp32_out, 0);
 }
 
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out) {
-  return linear(x, w, N, fp32_out, false);
+  return linear(x, w, N, fp32_out, 1);
+}
+
+at::Tensor linear_f8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out) {
+  return linear(x, w, N, fp32_out, 2);
 }
 
 }  // namespace
@@ -238,8 +390,12 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool f
 TORCH_LIBRARY(fw_packed_int, m) {
   m.def("available() -> bool");
   m.impl("available", TORCH_FN(available));
+  m.def("f8_available() -> bool");
+  m.impl("f8_available", TORCH_FN(f8_available));
   m.def("linear_q4(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
   m.impl("linear_q4", c10::DispatchKey::CPU, TORCH_FN(linear_q4));
   m.def("linear_q8(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
   m.impl("linear_q8", c10::DispatchKey::CPU, TORCH_FN(linear_q8));
+  m.def("linear_f8(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
+  m.impl("linear_f8", c10::DispatchKey::CPU, TORCH_FN(linear_f8));
 }

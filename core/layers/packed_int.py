@@ -1,10 +1,12 @@
-"""Linear products on block-quantized weights kept packed: 4-bit (w = d * q + m, q in 0..15) and 8-bit
-(w = d * q), blocks of 32 inputs, on CPUs with AVX512-VNNI (packed_int.cpp: layout and numerics).
+"""Linear products on block-quantized weights kept packed: 4-bit (w = d * q + m, q in 0..15), 8-bit
+(w = d * q) and fp8 e4m3 (w = s * code), blocks of 32 inputs, on CPUs with AVX512-VNNI and AVX512-BF16
+(packed_int.cpp: layout and numerics).
 
 Why one family: GGUF Q4_0/Q4_1, GPTQ and AWQ 4-bit are all 4-bit groups with a scale and a zero or min, and
 GGUF Q8_0 and row-wise int8 are 8-bit blocks with a scale; a quantization method converts its format to
 `QuantBlocks` once at load, `pack` lays it out for the kernel, and `packed_linear` runs it. The activations
-are quantized to int8 per block of 32 inside the kernel (W4A8 / W8A8, as llama.cpp's CPU path).
+are quantized to int8 per block of 32 inside the kernel (W4A8 / W8A8, as llama.cpp's CPU path). fp8 weights
+(`Fp8Blocks`) are widened exactly to bf16 in registers and multiplied with bf16 activations (W8A16).
 
 `FW_CPU_PACKED_INT=0` turns the kernels off (methods keep their reference paths).
 """
@@ -26,9 +28,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("packed_int.cpp")  # package data
 BLOCK = 32  # inputs per block
 TILE = 16  # output rows per tile
-RECORD_BYTES = {4: 320, 8: 608}  # bytes per (tile, block): codes, fp16 scales, fp16 offsets or code sums
+RECORD_BYTES = {4: 320, 8: 576, "f8": 576}  # bytes per (tile, block): codes, then scales and offsets or sums
 _state: bool | None = None  # None: not tried yet
-_LINEAR_Q4 = _LINEAR_Q8 = None  # torch.ops.fw_packed_int.linear_q4.default / linear_q8.default once built
+_f8_state = False  # the fp8 kernel is built too (AVX512-BF16 and -VBMI)
+_OPS: dict[int | str, object] = {}  # bits (4, 8, "f8") -> torch.ops.fw_packed_int.linear_*.default once built
 
 
 @dataclass(frozen=True)
@@ -50,10 +53,25 @@ class QuantBlocks:
 
 
 @dataclass(frozen=True)
-class PackedWeight:
-    """A weight in the kernels' layout: `data` is uint8, rows x cols weights of `bits` bits."""
+class Fp8Blocks:
+    """A weight [N, K] as e4m3 codes and per-(row, block of 32) fp32 scales: w = scale * code."""
 
-    bits: int
+    codes: torch.Tensor  # [N, K], torch.float8_e4m3fn
+    scale: torch.Tensor  # [N, K / 32] float32
+
+    bits = "f8"
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: the reference the kernel is tested against."""
+        n, k = self.codes.shape
+        return (self.codes.float().view(n, k // BLOCK, BLOCK) * self.scale.float().unsqueeze(-1)).view(n, k)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in the kernels' layout: `data` is uint8, rows x cols weights of `bits` bits (4, 8 or "f8")."""
+
+    bits: int | str
     rows: int
     cols: int
     data: torch.Tensor
@@ -80,14 +98,17 @@ def ready() -> bool:
             _state = False
             return False
         _state = bool(torch.ops.fw_packed_int.available())
-        global _LINEAR_Q4, _LINEAR_Q8  # the resolved overloads: the op packet resolves them on every call
-        _LINEAR_Q4, _LINEAR_Q8 = torch.ops.fw_packed_int.linear_q4.default, torch.ops.fw_packed_int.linear_q8.default
+        global _f8_state
+        _f8_state = _state and bool(torch.ops.fw_packed_int.f8_available())
+        ops = torch.ops.fw_packed_int  # the resolved overloads: the op packet resolves them on every call
+        _OPS.update({4: ops.linear_q4.default, 8: ops.linear_q8.default, "f8": ops.linear_f8.default})
     return _state
 
 
-def applies(device: torch.device | str, cols: int) -> bool:
-    """A weight of `cols` inputs that will run on `device` can be packed (and the kernels are here)."""
-    return torch.device(device).type == "cpu" and cols % BLOCK == 0 and ready()
+def applies(device: torch.device | str, cols: int, fp8: bool = False) -> bool:
+    """A weight of `cols` inputs that will run on `device` can be packed (and the kernels are here; for fp8
+    weights, the f8 kernel, which also needs AVX512-BF16 and AVX512-VBMI)."""
+    return torch.device(device).type == "cpu" and cols % BLOCK == 0 and ready() and (_f8_state or not fp8)
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
@@ -120,7 +141,7 @@ def concat(weights: list[PackedWeight]) -> tuple[torch.Tensor, list[PackedWeight
     return flat, out
 
 
-def pack(blocks: QuantBlocks) -> PackedWeight:
+def pack(blocks: QuantBlocks | Fp8Blocks) -> PackedWeight:
     """`blocks` in the kernels' layout (packed_int.cpp), in the huge-page arena."""
     n, k = blocks.codes.shape
     if k % BLOCK:
@@ -134,9 +155,15 @@ def pack(blocks: QuantBlocks) -> PackedWeight:
     elif blocks.bits == 8:
         q = _tiles(blocks.codes.to(torch.int8)).view(-1, TILE, kb, 8, 4)  # [tile, row, block, quad, t]
         codes = q.permute(0, 2, 3, 1, 4).reshape(-1, kb, 512).view(torch.uint8)
-        sums = q.sum(dim=(3, 4), dtype=torch.int32).mul_(128)  # [tile, row, block]
-        correction = sums.permute(0, 2, 1).contiguous().view(torch.uint8)  # [tile, block, 64 bytes]
+        sums = q.sum(dim=(3, 4), dtype=torch.int32).to(torch.int16)  # [tile, row, block]: |sum| <= 4064
+        correction = sums.permute(0, 2, 1).contiguous().view(torch.uint8)  # [tile, block, 32 bytes]
         record = torch.cat([codes, _half_bytes(blocks.scale), correction], dim=2)
+    elif blocks.bits == "f8":
+        # [tile, lane, row in lane, block, vector, half, t] -> [tile, block, vector, lane, half, row in lane, t]
+        q = _tiles(blocks.codes.view(torch.uint8)).view(-1, 4, 4, kb, 8, 2, 2)
+        codes = q.permute(0, 3, 4, 1, 5, 2, 6).reshape(-1, kb, 512)
+        scale = _tiles(blocks.scale.float()).permute(0, 2, 1).contiguous().view(torch.uint8)
+        record = torch.cat([codes, scale], dim=2)
     else:
         raise ValueError(f"no packed kernel for {blocks.bits}-bit weights")
     assert record.shape[-1] == RECORD_BYTES[blocks.bits]  # the record size packed_int.cpp reads
@@ -149,12 +176,12 @@ def packed_linear(x: torch.Tensor, weights: list[PackedWeight], fp32_out: bool =
     """x [..., K] times the packed weights stacked by rows (a fused layer may hold several formats)."""
     if len(weights) == 1 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):  # the decode step's case
         w = weights[0]
-        return (_LINEAR_Q4 if w.bits == 4 else _LINEAR_Q8)(x, w.data, w.rows, fp32_out)
+        return _OPS[w.bits](x, w.data, w.rows, fp32_out)
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if flat.dtype not in (torch.float32, torch.bfloat16):
         flat = flat.float()
-    outs = [(_LINEAR_Q4 if w.bits == 4 else _LINEAR_Q8)(flat, w.data, w.rows, fp32_out) for w in weights]
+    outs = [_OPS[w.bits](flat, w.data, w.rows, fp32_out) for w in weights]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if not fp32_out and out.dtype != x.dtype:
         out = out.to(x.dtype)
@@ -177,7 +204,10 @@ def quantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     return ((blocks * inv).round() * (amax / 127)).view(m, k)
 
 
-def reference_linear(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
-    """The kernels' result computed plainly (float64): quantized activations times the dequantized weight.
-    Tests hold the kernels to this within fp32 rounding, and to x @ W^T within the activations' rounding."""
-    return quantize_activations(x.reshape(-1, x.shape[-1])).double() @ blocks.dequantize().double().T
+def reference_linear(x: torch.Tensor, blocks: QuantBlocks | Fp8Blocks) -> torch.Tensor:
+    """The kernels' result computed plainly (float64): the activations as the kernel sees them (int8 blocks;
+    bf16 for fp8 weights) times the dequantized weight. Tests hold the kernels to this within fp32 rounding,
+    and to x @ W^T within the activations' rounding."""
+    flat = x.reshape(-1, x.shape[-1])
+    seen = flat.bfloat16() if blocks.bits == "f8" else quantize_activations(flat)
+    return seen.double() @ blocks.dequantize().double().T
