@@ -25,6 +25,8 @@ docs/choices.md). `lm_head` and `llm_int8_skip_modules` stay unquantized, as in 
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 from dataclasses import dataclass
 
@@ -48,13 +50,17 @@ _STATE_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")  # 4-
 def missing_reason() -> str | None:
     """Why the methods cannot run here (bitsandbytes not importable), or None."""
     try:
-        import bitsandbytes  # noqa: F401
+        _bnb()
     except Exception as exc:  # ImportError, or a broken native library
         return f"the bitsandbytes library is not usable ({exc}); install it with `pip install fw[bitsandbytes]`"
     return None
 
 
 def _bnb():
+    # On AVX512-BF16 CPUs bitsandbytes tries, at import, to fetch a faster 4-bit kernel from the Hugging Face
+    # Hub (the `kernels` package) and warns when it cannot; fw runs offline and uses the library's built-in
+    # CPU kernel instead, so that warning would only alarm users.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import bitsandbytes
 
     return bitsandbytes
@@ -201,6 +207,35 @@ class FourBitLinearMethod(LinearMethod):
             p0, a0 = p0 + psize, a0 + asize
         layer.bnb_cache = {}  # flat -> (absmax it was built for, [QuantState])
         del layer.bnb_shards
+        layer.bnb_cpu = None
+        if self._fused_cpu_kernel_applies(layer):
+            self._repack_for_cpu_kernel(layer)
+
+    def _fused_cpu_kernel_applies(self, layer: Linear) -> bool:
+        """bitsandbytes' own fused CPU 4-bit matmul (`gemv_4bit`, AVX512-BF16; any number of rows): a bf16
+        model on the CPU, each group of rows a multiple of 32 and each row whole blocks (its repack's rules),
+        and `FW_CPU_PACKED_INT` not 0. Else the reference path: dequantize, then `F.linear`."""
+        if layer.device.type != "cpu" or layer.params_dtype != torch.bfloat16 or not packed_int.cpu_kernels_enabled():
+            return False
+        F = _bnb().functional
+        if not hasattr(F, "_convert_weight_packed_for_cpu") or not F.has_avx512bf16():
+            return False
+        return all(rows % 32 == 0 and layer.input_size % blocksize == 0
+                   for *_, rows, blocksize in layer.bnb_groups)
+
+    def _repack_for_cpu_kernel(self, layer: Linear) -> None:
+        """Each group in the layout of bitsandbytes' CPU kernel (the library's own repack, as its Linear4bit
+        does on the first CPU forward; absmax become bf16 there), replacing the flat weight and absmax."""
+        F = _bnb().functional
+        repacked = [F._convert_weight_packed_for_cpu(layer.weight[p0:p0 + psize].clone(), state)
+                    for (p0, psize, *_), state in zip(layer.bnb_groups, self.quant_states(layer, False))]
+        layer.weight = nn.Parameter(torch.cat([w.reshape(-1) for w, _ in repacked]), requires_grad=False)
+        layer.weight_absmax = torch.cat([s.absmax.reshape(-1) for _, s in repacked])
+        layer.bnb_cpu, start = [], 0
+        for w, state in repacked:
+            layer.bnb_cpu.append((layer.weight[start:start + w.numel()].view(w.shape), state))
+            start += w.numel()
+        layer.bnb_cache = {}
 
     def quant_states(self, layer: Linear, flat: bool) -> list:
         """One bitsandbytes QuantState per group of merged shards, on the weight's device (cached).
@@ -225,11 +260,18 @@ class FourBitLinearMethod(LinearMethod):
     def dequantized(self, layer: Linear) -> torch.Tensor:
         """The dense weight [out, in] in the model dtype, with the library's `dequantize_4bit`."""
         F = _bnb().functional
+        if layer.bnb_cpu is not None:
+            return torch.cat([_dequantize_repacked(F, w, state) for w, state in layer.bnb_cpu]).to(layer.params_dtype)
         parts = [F.dequantize_4bit(layer.weight[p0:p0 + psize], state).view(rows, layer.input_size)
                  for (p0, psize, _, _, rows, _), state in zip(layer.bnb_groups, self.quant_states(layer, True))]
         return torch.cat(parts).to(layer.params_dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.bnb_cpu is not None:
+            F = _bnb().functional
+            outs = [F.gemv_4bit(x, w, state=state) for w, state in layer.bnb_cpu]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            return out if layer.bias is None else out + layer.bias
         if x.device.type != "cuda":  # what bnb.matmul_4bit does on CPU, with the flat dequantize
             return torch.nn.functional.linear(x, self.dequantized(layer).to(x.dtype), layer.bias)
         bnb = _bnb()
@@ -240,6 +282,17 @@ class FourBitLinearMethod(LinearMethod):
 
     def weight_bytes(self, layer: Linear) -> int:
         return sum(t.numel() * t.element_size() for t in (layer.weight, layer.weight_absmax, layer.weight_quant_map))
+
+
+def _dequantize_repacked(F, weight: torch.Tensor, state) -> torch.Tensor:
+    """[rows, in] of a group in bitsandbytes' CPU-kernel layout: the library's inverse repack, then its
+    `dequantize_4bit`. The inverse leaves a non-nested absmax in the kernel's order ([in / blocksize, rows],
+    bf16), which `dequantize_4bit` would read as row-major blocks: it is put back in row order here."""
+    kernel_absmax = state.absmax
+    weight, state = F._convert_weight_packed_for_cpu_inverse(weight, copy.copy(state))
+    if not state.nested:
+        state.absmax = kernel_absmax.T.reshape(-1).float()
+    return F.dequantize_4bit(weight, state).reshape(state.shape[0], -1)
 
 
 def _flat_absmax(F, state) -> torch.Tensor:

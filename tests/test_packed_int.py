@@ -41,7 +41,8 @@ def test_kernel_matches_references(m, n, k, bits, dtype):
     emulated = packed_int.reference_linear(x, blocks)
     assert (got - emulated).abs().max() <= 1e-5 * emulated.abs().max()
     exact = x.double() @ blocks.dequantize().double().T
-    assert (got - exact).norm() <= 2e-2 * exact.norm()  # int8 activations: ~0.5% here
+    # int8 activations: ~0.5% here; two int8 terms for 4-bit weights: ~1e-5
+    assert (got - exact).norm() <= (1e-4 if bits == 4 else 2e-2) * exact.norm()
     torch.testing.assert_close(out.float(), got.float().to(dtype).float(), rtol=0, atol=0)
 
 

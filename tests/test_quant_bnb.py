@@ -128,10 +128,11 @@ def check_greedy(llm, hf, tokenizer) -> None:
             assert abs(entry[token].logprob - ref[token].item()) < LOGPROB_TOL
 
 
-def float_reference(path: Path, mode: str) -> dict[str, torch.Tensor]:
-    """HF module name -> W_deq for every linear transformers' bitsandbytes integration quantizes (not lm_head)."""
+def float_reference(path: Path, mode: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """HF module name -> W_deq for every linear transformers' bitsandbytes integration quantizes (not lm_head),
+    from the checkpoint's weights as a `dtype` model holds them."""
     tensors = load_file(str(path / "model.safetensors"))
-    return {n.removesuffix(".weight"): library_dequantized(t, mode) for n, t in tensors.items()
+    return {n.removesuffix(".weight"): library_dequantized(t.to(dtype), mode) for n, t in tensors.items()
             if t.dim() == 2 and "embed_tokens" not in n and not n.startswith("lm_head")}
 
 
@@ -298,6 +299,30 @@ def smollm2_dense_perplexity():
 SMOLLM2_OPTIONS = dict(kv_cache_memory="128MiB", max_batch_input_tokens=2048)
 
 
+@pytest.mark.parametrize("mode", ["nf4", "fp4"])
+def test_bf16_model_runs_4bit_on_the_library_cpu_kernel(mode, model_dirs, monkeypatch):
+    """A bf16 model on an AVX512-BF16 CPU: the 4-bit layers are repacked by the library for its fused CPU
+    matmul (`gemv_4bit`), and each layer's output is x @ W^T with W the library's own dequantization of
+    the repacked weight (absmax rounded to bf16 by the repack), and within 1% of the fp32-absmax weight."""
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
+    if not BF.has_avx512bf16():
+        pytest.skip("bitsandbytes has no fused CPU 4-bit kernel on this CPU (AVX512-BF16)")
+    dense = model_dirs["gqa"]
+    want = float_reference(dense, mode, dtype=torch.bfloat16)  # a bf16 model quantizes its bf16 weights
+    model = make_llm(dense, quantization=f"bitsandbytes-{mode}", dtype="bfloat16").engine.loaded.model
+    gen = torch.Generator().manual_seed(0)
+    layers = quantized_linears(model)
+    assert layers and all(m.bnb_cpu is not None for m in layers.values())
+    for prefix, layer in layers.items():
+        x = torch.randn(7, layer.input_size, generator=gen).bfloat16()
+        got = layer(x).double()
+        kernel_weight = layer.method.dequantized(layer).double()
+        exact = x.double() @ kernel_weight.T
+        assert (got - exact).abs().max() <= 1e-2 * exact.abs().max(), prefix
+        reference = x.double() @ reference_for(prefix, want).double().T
+        assert (got - reference).norm() <= 1e-2 * reference.norm(), prefix
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method, ppl_tol", [("bitsandbytes-nf4", 0.25), ("bitsandbytes-8bit", 0.01)])
 def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl_tol, smollm2_dense_perplexity,
@@ -322,6 +347,8 @@ def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl
 
     if method == "bitsandbytes-8bit" and packed_int.ready():
         assert all(m.packed_int is not None and m.packed_int[0].bits == 8 for m in layers.values())
+    if method == "bitsandbytes-nf4" and BF.has_avx512bf16():  # the library's fused CPU kernel, bf16 model
+        assert all(m.bnb_cpu is not None for m in layers.values())
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(max_tokens=20, temperature=0))[0].outputs[0].text
     assert "Paris" in answer

@@ -135,14 +135,15 @@ def test_kernel_path_repacks_and_matches_the_int8_activation_reference(qtype, gg
         assert [w.bits for w in layer.packed_int] == [8 if qtype == T.Q8_0 else 4]
         assert layer.weight.numel() == sum(w.data.numel() for w in layer.packed_int)
         x = torch.randn(7, layer.input_size)
-        want = packed_int.quantize_activations(x).double() @ _expected_weight(case, prefix).double().T
+        want = packed_int.quantize_activations(x, layer.packed_int[0].bits).double() @ _expected_weight(case, prefix).double().T
         got = layer(x).double()
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), prefix
     text = " ".join(PROMPTS * 3)
     kernel = _mean_nll(llm, text)
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
     reference = _mean_nll(_llm(case, gguf_dir), text)
-    assert abs(kernel - reference) < 0.03 * reference  # measured 1.1-1.4% on these wide random models
+    # measured: 4-bit types (two-term activations) within 0.01%, Q8_0 (int8 activations) 0.26%
+    assert abs(kernel - reference) < (0.01 if qtype == T.Q8_0 else 0.001) * reference
 
 
 @needs_kernels

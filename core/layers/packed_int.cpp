@@ -101,36 +101,46 @@ struct Acts {
   int64_t K = 0;
 };
 
+// Each row's blocks as int8 codes. With `residual` (the q4 kernel) a row becomes two: its codes q1 with scale
+// s1 = amax / 127, then the rounding residual x - s1 q1 (at most s1 / 2) as codes q2 with scale s1 / 254, so
+// s1 q1 + s2 q2 is x within amax / 64,516: rows 2r and 2r + 1 of the output hold row r's two terms.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, QuantizedRows& out) {
-  const int64_t KB = K / BLOCK;
-  out.codes.resize(size_t(M * K));
-  out.scale.resize(size_t(M * KB));
-  out.scaled_sum.resize(size_t(M * KB));
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, bool residual, QuantizedRows& out) {
+  const int64_t KB = K / BLOCK, terms = residual ? 2 : 1;
+  out.codes.resize(size_t(terms * M * K));
+  out.scale.resize(size_t(terms * M * KB));
+  out.scaled_sum.resize(size_t(terms * M * KB));
   at::parallel_for(0, M * KB, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / KB, b = i % KB;
       const T* src = x + r * ldx + b * BLOCK;
       __m512 v0 = fw_simd::load16(src), v1 = fw_simd::load16(src + 16);
       const __m512 sign = _mm512_set1_ps(-0.0f);
-      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-      const float d = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const __m512 vinv = _mm512_set1_ps(inv);
-      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));  // round to nearest even
-      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      __m128i c0 = _mm512_cvtsepi32_epi8(q0), c1 = _mm512_cvtsepi32_epi8(q1);
-      if (offset128) {
-        const __m128i flip = _mm_set1_epi8(char(0x80));
-        c0 = _mm_xor_si128(c0, flip);
-        c1 = _mm_xor_si128(c1, flip);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+      float d = amax / 127.0f;
+      for (int64_t term = 0; term < terms; ++term) {
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));  // round to nearest even
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        __m128i c0 = _mm512_cvtsepi32_epi8(q0), c1 = _mm512_cvtsepi32_epi8(q1);
+        if (offset128) {
+          const __m128i flip = _mm_set1_epi8(char(0x80));
+          c0 = _mm_xor_si128(c0, flip);
+          c1 = _mm_xor_si128(c1, flip);
+        }
+        const int64_t row = r * terms + term, ib = row * KB + b;
+        int8_t* dst = out.codes.data() + row * K + b * BLOCK;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), c0);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), c1);
+        out.scale[size_t(ib)] = d;
+        out.scaled_sum[size_t(ib)] = d * float(sum);
+        const __m512 vd = _mm512_set1_ps(d);  // the residual: what the codes leave, for the next term
+        v0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q0), vd, v0);
+        v1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), vd, v1);
+        d /= 254.0f;
       }
-      int8_t* dst = out.codes.data() + r * K + b * BLOCK;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), c0);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), c1);
-      out.scale[size_t(i)] = d;
-      out.scaled_sum[size_t(i)] = d * float(sum);
     }
   });
 }
@@ -273,7 +283,8 @@ void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m51
 #endif
 }
 
-template <Kind KIND>
+// M rows of activations (2 M quantized rows when TERMS is 2: each output row sums its two terms' products).
+template <Kind KIND, int TERMS>
 void run(const Acts& a, const uint8_t* w, int64_t M, int64_t N, bool fp32_out, void* out) {
   const int64_t KB = a.K / BLOCK, NT = (N + TILE - 1) / TILE;
   const int64_t tile_bytes = KB * record_bytes(KIND);
@@ -283,20 +294,21 @@ void run(const Acts& a, const uint8_t* w, int64_t M, int64_t N, bool fp32_out, v
       const uint8_t* tile = w + t * tile_bytes;
       const int64_t n0 = t * TILE;
       const __mmask16 mask = N - n0 >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int rows = int(std::min<int64_t>(MR, M - m0));
+      for (int64_t m0 = 0; m0 < TERMS * M; m0 += MR) {  // MR is a multiple of TERMS: no row is split
+        const int rows = int(std::min<int64_t>(MR, TERMS * M - m0));
         switch (rows) {
           case 4: tile_rows<4, KIND>(tile, KB, a, m0, acc); break;
           case 3: tile_rows<3, KIND>(tile, KB, a, m0, acc); break;
           case 2: tile_rows<2, KIND>(tile, KB, a, m0, acc); break;
           default: tile_rows<1, KIND>(tile, KB, a, m0, acc); break;
         }
-        for (int r = 0; r < rows; ++r) {
+        for (int r = 0; r < rows; r += TERMS) {
+          const __m512 sums = TERMS == 2 ? _mm512_add_ps(acc[r], acc[r + 1]) : acc[r];
+          const int64_t row = (m0 + r) / TERMS;
           if (fp32_out) {
-            _mm512_mask_storeu_ps(static_cast<float*>(out) + (m0 + r) * N + n0, mask, acc[r]);
+            _mm512_mask_storeu_ps(static_cast<float*>(out) + row * N + n0, mask, sums);
           } else {
-            _mm256_mask_storeu_epi16(static_cast<c10::BFloat16*>(out) + (m0 + r) * N + n0, mask,
-                                     fw_simd::to_bf16_bits(acc[r]));
+            _mm256_mask_storeu_epi16(static_cast<c10::BFloat16*>(out) + row * N + n0, mask, fw_simd::to_bf16_bits(sums));
           }
         }
       }
@@ -358,16 +370,17 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   if (kind == Kind::F8) {
     a.bf16 = bf16_rows(x, rounded, a.ld);
   } else {
-    if (x.scalar_type() == at::kFloat) quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), kind == Kind::Q8, q);
-    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), kind == Kind::Q8, q);
+    const bool q8 = kind == Kind::Q8, residual = kind == Kind::Q4;
+    if (x.scalar_type() == at::kFloat) quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, residual, q);
+    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, residual, q);
     a.q = &q;
   }
   const bool write_fp32 = out.scalar_type() == at::kFloat;
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
-  if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
-  else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
+  if (kind == Kind::Q4) run<Kind::Q4, 2>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (kind == Kind::Q8) run<Kind::Q8, 1>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
-  else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());
+  else run<Kind::F8, 1>(a, wp, M, N, write_fp32, out.data_ptr());
 #endif
 #endif
   return out;
