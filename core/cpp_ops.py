@@ -1,24 +1,25 @@
-"""Build a C++ operator library at first use and keep the build for the next process.
+"""Load fw's C++ operator libraries: the build `pip install` made, else a run-time build kept for the next process.
 
-Why here: CPU kernels (fused layer ops in fw.layers, attention backends in
-plugins) ship as C++ source and are compiled on the machine that runs them
-(-O3 -march=native), with torch's cpp_extension. A build is keyed by the
-source, the compiler flags, the torch version and the CPU's flags, and lives
-under the fw cache dir, so a second start loads it in milliseconds and a
-different machine sharing the cache never loads a build that is wrong for it.
+Why here: CPU kernels (fused layer ops in fw.layers, attention backends in plugins) ship as C++ source,
+compiled for the machine that runs them (-O3 -march=native) with torch's cpp_extension. `pip install`
+builds each library once, beside its source (setup.py; fw.cpp_build says what identifies a build), so a
+start loads it in milliseconds and compiles nothing. When that library is missing (fw installed without
+its C++ extensions, e.g. `pip install .` with build isolation, where torch is not there to build against)
+or stale (its source, fw's headers, the flags, torch or the CPU changed since the install), the run-time
+build is the fallback, and says so in one log line: built once under the fw cache dir, keyed like the
+installed build, so a second start loads it and a different machine sharing the cache never loads a
+build that is wrong for it. `FW_CPP_OPS_INSTALLED=0` ignores the installed libraries.
 
-Several processes may start on an empty cache at once (`fw warm-cache` next to
-`fw serve`, or two servers): one builds under an exclusive `fcntl` lock on the
-key's folder while the others wait on it, the build happens in a private
-folder, and the finished library is moved into place with an atomic rename, so
-no process ever loads a half-written library. The kernel drops the lock of a
-builder that dies, so a crash never leaves the others waiting.
+Several processes may start on an empty cache at once (`fw warm-cache` next to `fw serve`, or two
+servers): one builds under an exclusive `fcntl` lock on the key's folder while the others wait on it,
+the build happens in a private folder, and the finished library is moved into place with an atomic
+rename, so no process ever loads a half-written library. The kernel drops the lock of a builder that
+dies, so a crash never leaves the others waiting.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import shutil
@@ -30,17 +31,15 @@ from typing import Iterator
 
 import torch
 
+from fw import cpp_build
+from fw.cpp_build import DEFAULT_CFLAGS, INCLUDE_DIR  # noqa: F401  (re-exported: the kernels' modules use them)
 from fw.errors import FwError
 from fw.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_loaded: set[str] = set()
-
-DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-# fw's shared C++ headers (fw_simd.h), on every build's include path
-INCLUDE_DIR = Path(__file__).with_name("csrc")
+_loaded: dict[str, str] = {}  # name -> where it came from: "installed", "cache" or "built"
 
 
 def missing_toolchain() -> str | None:
@@ -63,41 +62,68 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
 def build_key(source_text: str, cflags: tuple[str, ...]) -> str:
-    headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h"))]
-    parts = [source_text, *headers, *cflags, torch.__version__, _cpu_flags()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return cpp_build.build_key(source_text, cflags, torch.__version__)
 
 
-def library_path(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> Path:
-    """Where the build of `source` for this machine lives (whether or not it exists yet)."""
-    key = build_key(source.read_text(), cflags)
+def use_installed() -> bool:
+    return os.environ.get("FW_CPP_OPS_INSTALLED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def installed(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS,
+              source_text: str | None = None) -> tuple[Path | None, str]:
+    """(the library `pip install` built from `source`, when it is current; else None and why not)."""
+    if not use_installed():
+        return None, "FW_CPP_OPS_INSTALLED=0"
+    library = cpp_build.installed_library(name, source)
+    if not library.is_file():
+        return None, ("no installed build (fw was installed without its C++ extensions: "
+                      "pip install --no-build-isolation builds them)")
+    text = source.read_text() if source_text is None else source_text
+    why = cpp_build.stale_reason(cpp_build.read_record(library),
+                                 cpp_build.record(name, text, cflags, torch.__version__))
+    if why is not None:
+        return None, f"the installed build {library} is stale: {why}"
+    return library, ""
+
+
+def _cache_library(name: str, source_text: str, cflags: tuple[str, ...]) -> Path:
+    key = build_key(source_text, cflags)
     return cache_dir() / name / key / f"{name}_{key}.so"
 
 
+def library_path(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> Path:
+    """The library a process would load: the installed build when current, else the run-time build's place
+    in the cache (whether or not it exists yet)."""
+    library, _ = installed(name, source, cflags)
+    return library or _cache_library(name, source.read_text(), cflags)
+
+
 def is_built(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> bool:
-    """True when a finished build is in the cache (nothing is built or loaded)."""
+    """True when a current build is installed or in the cache (nothing is built or loaded)."""
     return library_path(name, source, cflags).is_file()
+
+
+def unavailable(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> str | None:
+    """None when the library can be loaded here (installed, in the cache, or buildable), else why not."""
+    if name in _loaded or is_built(name, source, cflags):
+        return None
+    return missing_toolchain()
 
 
 def is_loaded(name: str) -> bool:
     return name in _loaded
 
 
+def origin(name: str) -> str | None:
+    """Where this process's copy of the library came from: "installed" (built by pip install), "cache" (a
+    run-time build made earlier), "built" (compiled by this process), or None (not loaded)."""
+    return _loaded.get(name)
+
+
 def try_load_cpp_ops(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> str | None:
     """`load_cpp_ops` for a kernel that has a slower fallback: None when loaded, else why not (no toolchain,
     or the build's error), for the caller's one warning."""
-    why = missing_toolchain()
-    if why is not None:
-        return why
     try:
         load_cpp_ops(name, source, cflags)
         return None
@@ -106,33 +132,47 @@ def try_load_cpp_ops(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_
 
 
 def load_cpp_ops(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> None:
-    """Compile (or load the cached build of) `source`, whose TORCH_LIBRARY registers torch.ops.<its
-    namespace>; once per process. Raises FwError naming the build folder when it cannot."""
+    """Load the installed build of `source` (or the cached run-time build, or compile it), whose
+    TORCH_LIBRARY registers torch.ops.<its namespace>; once per process. Raises FwError naming the build
+    folder when it cannot."""
     if name in _loaded:
         return
     with _lock:
         if name in _loaded:
             return
         text = source.read_text()
+        library, why_not_installed = installed(name, source, cflags, text)
+        if library is not None:
+            try:
+                torch.ops.load_library(str(library))
+                _loaded[name] = "installed"
+                return
+            except OSError as exc:  # dlopen fails before any op is registered: the run-time build can follow
+                why_not_installed = f"the installed build {library} does not load ({exc})"
         key = build_key(text, cflags)
         build_dir = cache_dir() / name / key
         library = build_dir / f"{name}_{key}.so"
         try:
             if library.is_file():
+                logger.info("C++ ops %s: %s; loading the run-time build %s", name, why_not_installed, library)
                 torch.ops.load_library(str(library))
-            else:
-                why = missing_toolchain()
-                if why:
-                    raise RuntimeError(why)
-                build_dir.mkdir(parents=True, exist_ok=True)
-                with _exclusive(build_dir / ".lock", name):
-                    if library.is_file():  # another process built it while this one waited
-                        torch.ops.load_library(str(library))
-                    else:
-                        _build_and_load(name, key, text, source.name, cflags, build_dir, library)
+                _loaded[name] = "cache"
+                return
+            why = missing_toolchain()
+            if why:
+                raise RuntimeError(f"{why} ({why_not_installed})")
+            logger.warning("C++ ops %s: %s; building it now into %s (once per machine)", name,
+                           why_not_installed, build_dir)
+            build_dir.mkdir(parents=True, exist_ok=True)
+            with _exclusive(build_dir / ".lock", name):
+                if library.is_file():  # another process built it while this one waited
+                    torch.ops.load_library(str(library))
+                    _loaded[name] = "cache"
+                else:
+                    _build_and_load(name, key, text, source.name, cflags, build_dir, library)
+                    _loaded[name] = "built"
         except Exception as exc:  # compiler errors, missing ninja, unwritable cache dir
             raise FwError(f"could not build the C++ ops {name!r} in {build_dir}: {exc}") from exc
-        _loaded.add(name)
 
 
 @contextmanager

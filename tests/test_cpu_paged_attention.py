@@ -12,7 +12,7 @@ from fw import SamplingParams
 from fw.backends.attention import cpu_paged
 from plugin_fixtures import builtin_manager, greedy, small_llm
 
-pytestmark = pytest.mark.skipif(cpu_paged._missing_toolchain() is not None,
+pytestmark = pytest.mark.skipif(cpu_paged._unavailable() is not None,
                                 reason="no C++ toolchain to build the cpu_paged kernel")
 
 
@@ -119,13 +119,17 @@ def test_engine_matches_transformers(layout, gqa_dir, hf_model, tokenizer):
 
 
 @pytest.mark.usefixtures("isolated_plugins")
-def test_auto_picks_cpu_paged_and_falls_back_when_unbuildable(gqa_dir, monkeypatch):
+def test_auto_picks_cpu_paged_and_falls_back_when_unbuildable(gqa_dir, monkeypatch, tmp_path):
     manager = builtin_manager()
     llm = small_llm(str(gqa_dir), plugins=manager)
     assert llm.engine.loaded.attention.chosen.name == "cpu_paged"
     tokens = llm.generate("hello", greedy(max_tokens=4))[0].outputs[0].token_ids
 
-    monkeypatch.setattr("fw.cpp_ops.shutil.which", lambda name: None)  # no compiler on PATH
+    # no installed build, no run-time build in the cache, no compiler on PATH (the loaded copy set aside)
+    monkeypatch.setenv("FW_CPP_OPS_INSTALLED", "0")
+    monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("fw.cpp_ops._loaded", {})
+    monkeypatch.setattr("fw.cpp_ops.shutil.which", lambda name: None)
     fallback = small_llm(str(gqa_dir), plugins=manager)
     assert fallback.engine.loaded.attention.chosen.name == "sdpa"
     assert "no C++ compiler" in " ".join(fallback.engine.loaded.attention.rejected["cpu_paged"])

@@ -60,9 +60,12 @@ def hub(gqa_dir):
 
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory) -> dict[str, str]:
-    """Empty HF and fw caches, shared by this module's processes (warm-cache, then serve)."""
+    """Empty HF and fw caches, shared by this module's processes (warm-cache, then serve); the C++ libraries
+    `pip install` built are set aside, so the flow exercises the run-time build that replaces them when they
+    are missing (tests/test_cpp_install.py covers the installed ones)."""
     base = tmp_path_factory.mktemp("warm_caches")
-    return {"HF_HOME": str(base / "hf"), "HF_HUB_CACHE": str(base / "hf" / "hub"), "FW_CACHE_DIR": str(base / "fw")}
+    return {"HF_HOME": str(base / "hf"), "HF_HUB_CACHE": str(base / "hf" / "hub"), "FW_CACHE_DIR": str(base / "fw"),
+            "FW_CPP_OPS_INSTALLED": "0"}
 
 
 def env_for(hub: HubServer, caches: dict[str, str], offline: bool = False) -> dict[str, str]:
@@ -245,6 +248,7 @@ def test_warm_cache_of_a_local_directory_checks_and_reports_it(model_copy, tmp_p
     from fw.cli.main import main
 
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "fw"))
+    monkeypatch.setenv("FW_CPP_OPS_INSTALLED", "0")  # cpu_paged's run-time build is what --check reports
     monkeypatch.setenv("FW_CPU_FUSED_OPS", "0")
     monkeypatch.setenv("FW_CPU_WEIGHT_PACKING", "onednn")  # no C++ build for fw's bf16 matmul either
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")  # nor for the packed-int kernels

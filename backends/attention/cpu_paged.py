@@ -11,9 +11,11 @@ A prompt row is a decode whose sequence ends at its own position, so decode
 and prefill (with or without a cached prefix) are one call per layer; the
 row's keys stay in cache across the rows of a sequence.
 
-The kernel is compiled at first use with torch's cpp_extension (-O3
--march=native, OpenMP through ATen's parallel_for) and cached under the fw
-cache dir, keyed by the source, the torch version and the CPU's flags."""
+The kernel is built by `pip install` (setup.py, -O3 -march=native, OpenMP
+through ATen's parallel_for) and loaded through fw.cpp_ops; where that build
+is missing or stale, it is compiled at first use with torch's cpp_extension
+and cached under the fw cache dir, keyed by the source, the torch version and
+the CPU's flags."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fw.cpp_ops import load_cpp_ops, missing_toolchain
+from fw.cpp_ops import load_cpp_ops, unavailable
 from fw.errors import FwError
 from fw.layers.attention import AttentionBackend, AttentionMetadata
 from fw.plugins import AttentionBackendSpec, Verified, hookimpl
@@ -33,13 +35,13 @@ FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 _SOURCE = Path(__file__).with_name("cpu_paged.cpp")  # shipped beside this module (package data)
 
 
-def _missing_toolchain() -> str | None:
-    why = missing_toolchain()
-    return f"{why}: needed to build the cpu_paged kernel" if why else None
+def _unavailable() -> str | None:
+    why = unavailable("cpu_paged", _SOURCE)
+    return f"{why}: needed to build the cpu_paged kernel (fw was installed without it)" if why else None
 
 
 def load_kernel() -> None:
-    """Build (or load the cached build of) the kernel once per process; registers torch.ops.fw_cpu_paged."""
+    """Load the kernel (installed, cached, or built now) once per process; registers torch.ops.fw_cpu_paged."""
     try:
         load_cpp_ops("cpu_paged", _SOURCE)
     except FwError as exc:
@@ -112,10 +114,10 @@ def fw_register_attention_backends(register) -> None:
         priority=10,
         supports_sliding_window=True,
         supports_logit_softcap=True,
-        available=_missing_toolchain,
+        available=_unavailable,
         verified_on=(Verified("cpu", by="fw's CPU tests"),),
         description="C++ CPU attention (decode and prefill) reading K/V straight from the paged cache "
-                    "(built at first use; needs a C++ compiler and ninja)",
+                    "(built by pip install; else at first use, which needs a C++ compiler and ninja)",
     ))
 
 

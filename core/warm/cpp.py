@@ -1,10 +1,12 @@
-"""Warm-cache artifact for a C++ operator library built with `fw.cpp_ops`: the
+"""Warm-cache artifact for a C++ operator library loaded with `fw.cpp_ops`: the
 core's fused CPU ops, and any plugin's kernel (the cpu_paged attention
 backend adds its own through the `fw_warm_cache_artifacts` hook).
 
-A build is for the machine that runs it (-march=native, keyed by the CPU's
-flags), so it is warmed only for a CPU target on this machine; concurrent
-builders are serialized by fw.cpp_ops' file lock."""
+A library built by `pip install` is a hit (nothing to build); otherwise the
+run-time build is made here. A build is for the machine that runs it
+(-march=native, keyed by the CPU's flags), so it is warmed only for a CPU
+target on this machine; concurrent builders are serialized by fw.cpp_ops'
+file lock."""
 
 from __future__ import annotations
 
@@ -31,25 +33,28 @@ class CppOpsArtifact:
         self._applies = applies
 
     def applies(self, context: WarmContext) -> bool:
-        why = cpp_ops.missing_toolchain()
+        why = cpp_ops.unavailable(self.library, self.source, self.cflags)
         if why:
             logger.info("%s: not built (%s); the server will not use it either", self.name, why)
             return False
         return self._applies is None or self._applies(context)
 
+    def _item(self, hit: bool) -> WarmItem:
+        path = cpp_ops.library_path(self.library, self.source, self.cflags)
+        installed = cpp_ops.installed(self.library, self.source, self.cflags)[0] is not None
+        return WarmItem(self.library, hit, f"{path} (installed)" if installed else str(path))
+
     def check(self, context: WarmContext) -> list[WarmItem]:
         if not self.applies(context):
             return []
-        path = cpp_ops.library_path(self.library, self.source, self.cflags)
-        return [WarmItem(self.library, path.is_file(), str(path))]
+        return [self._item(cpp_ops.is_built(self.library, self.source, self.cflags))]
 
     def build(self, context: WarmContext) -> list[WarmItem]:
         if not self.applies(context):
             return []
         hit = cpp_ops.is_built(self.library, self.source, self.cflags)
         cpp_ops.load_cpp_ops(self.library, self.source, self.cflags)  # builds under the lock when missing
-        path = cpp_ops.library_path(self.library, self.source, self.cflags)
-        return [WarmItem(self.library, hit, str(path))]
+        return [self._item(hit)]
 
 
 def cpu_target(context: WarmContext) -> bool:
