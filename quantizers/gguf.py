@@ -1,9 +1,10 @@
 """The `gguf` quantization method: linear weights stay quantized in memory.
 
-On CPUs with AVX512-VNNI, Q4_0, Q4_1 and Q8_0 layers are repacked at load into
-fw's packed-int kernels' layout (fw.layers.packed_int: the codes and fp16
-scales exactly, activations quantized to int8 per block of 32, as llama.cpp
-does), and a tied Q8_0 embedding becomes the LM head that way too. Elsewhere,
+On CPUs with AVX512-VNNI, Q4_0, Q4_1, Q8_0 and Q4_K layers are repacked at load
+into fw's packed-int kernels' layout (fw.layers.packed_int: the codes and fp16
+scales, activations quantized to int8 per block of 32 as llama.cpp does, in two
+terms for 4-bit weights), and a tied Q8_0 embedding becomes the LM head that way
+too. Elsewhere,
 and for the other types, the GGUF blocks are kept and dequantized per matmul in
 plain torch (the reference path), unless the CPU default's `dense_fallback`
 dequantizes such layers once at load. The block layouts follow llama.cpp's
@@ -134,8 +135,18 @@ def _q8_0_blocks(blocks: torch.Tensor) -> packed_int.QuantBlocks:
     return packed_int.QuantBlocks(8, _field(blocks, 2, 34).view(torch.int8), _f16(blocks, 0))
 
 
-# ggml types fw's packed-int kernels read exactly (fp16 scales and mins, 32-input blocks): blocks -> codes
-_PACKED_BLOCKS = {2: _q4_0_blocks, 3: _q4_1_blocks, 8: _q8_0_blocks}
+def _q4_k_blocks(blocks: torch.Tensor) -> packed_int.QuantBlocks:
+    """Q4_K's eight sub-blocks of 32 per super-block, each w = (d sc) q - (dmin m): the products d sc and
+    dmin m rounded to fp16 (2^-12 of each, far below the 4-bit step)."""
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k_scale_min(_field(blocks, 4, 16))
+    return packed_int.QuantBlocks(4, _nibbles(_field(blocks, 16, 144), 32), (d * sc).half().float(),
+                                  (dmin * mn).neg_().half().float())
+
+
+# ggml types fw's packed-int kernels read (32-input blocks; exactly, but Q4_K's rounded sub-block scales):
+# ggml type id -> codes and scales
+_PACKED_BLOCKS = {2: _q4_0_blocks, 3: _q4_1_blocks, 8: _q8_0_blocks, 12: _q4_k_blocks}
 
 
 @dataclass(frozen=True)
@@ -270,7 +281,7 @@ class GGUFLinearMethod(LinearMethod):
         return ggml_type in _PACKED_BLOCKS and packed_int.applies(device, cols)
 
     def _repack(self, layer: Linear) -> list[packed_int.PackedWeight] | None:
-        """The layer in fw's packed-int kernels' layout where every row group has one (Q4_0, Q4_1, Q8_0) and
+        """The layer in fw's packed-int kernels' layout where every row group has one (Q4_0, Q4_1, Q8_0, Q4_K) and
         the kernels run on the layer's device; the GGUF bytes are then dropped. None: the reference path."""
         if not (all(g.kind in _PACKED_BLOCKS for g in layer.gguf_groups)
                 and packed_int.applies(layer.device, layer.input_size)):
