@@ -25,6 +25,7 @@ from fw.config import ROPE_TYPES
 from fw.errors import ModelLoadError
 from fw.layers.gguf_weight import GGUFWeight
 from fw.layers.weights import unpermute_gguf_qk
+from fw.model_loader.gguf_header import GGUFHeader
 from fw.paths import cache_dir
 
 _LAYER_NAMES = {
@@ -64,17 +65,15 @@ class GGUFModel:
         self.path = path
 
     @cached_property
-    def reader(self):
-        from gguf import GGUFReader
-
+    def reader(self) -> GGUFHeader:
+        """The metadata and tensor table (fw's own reader: gguf.GGUFReader takes seconds on a vocabulary)."""
         try:
-            return GGUFReader(str(self.path))
+            return GGUFHeader(self.path)
         except Exception as exc:
             raise ModelLoadError(f"{self.path} is not a readable GGUF file: {exc}") from None
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.reader.get(key, default)
 
     @property
     def architecture(self) -> str:
@@ -98,7 +97,7 @@ class GGUFModel:
             if value is not None and hf_key is not None:
                 kwargs[hf_key] = value
         if "vocab_size" not in kwargs:
-            kwargs["vocab_size"] = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+            kwargs["vocab_size"] = len(self.reader.fields["tokenizer.ggml.tokens"])
         for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                             ("padding_token_id", "pad_token_id")):
             value = self.field(f"tokenizer.ggml.{key}")
