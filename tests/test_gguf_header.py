@@ -22,8 +22,9 @@ def assert_same_as_gguf_reader(path) -> GGUFHeader:
         assert header.get(key) == reader.fields[key].contents(), key
     assert len(header.tensors) == len(reader.tensors)
     for mine, theirs in zip(header.tensors, reader.tensors):
-        assert (mine.name, mine.tensor_type, mine.shape.tolist(), mine.n_elements) == (
-            theirs.name, theirs.tensor_type, theirs.shape.tolist(), theirs.n_elements)
+        assert (mine.name, mine.tensor_type, mine.shape.tolist(), mine.n_elements, mine.n_bytes, mine.data_offset) == (
+            theirs.name, theirs.tensor_type, theirs.shape.tolist(), theirs.n_elements, theirs.n_bytes,
+            theirs.data_offset)
         assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape, mine.name
         assert np.array_equal(mine.data, theirs.data), mine.name
     return header

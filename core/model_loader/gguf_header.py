@@ -63,20 +63,29 @@ class GGUFTensor:
         self.tensor_type = GGMLQuantizationType(raw_type)
         self.n_elements = int(np.prod(dims)) if dims else 1
 
-    @cached_property
-    def data(self) -> np.ndarray:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-        from gguf.quants import quant_shape_to_byte_shape
+    @property
+    def data_offset(self) -> int:
+        """Where the tensor's bytes start in the file."""
+        return self._header.data_offset + self.offset
+
+    @property
+    def n_bytes(self) -> int:
+        from gguf import GGML_QUANT_SIZES
 
         block_size, type_size = GGML_QUANT_SIZES[self.tensor_type]
-        n_bytes = self.n_elements * type_size // block_size
+        return self.n_elements * type_size // block_size
+
+    @cached_property
+    def data(self) -> np.ndarray:
+        from gguf import GGMLQuantizationType as T
+        from gguf.quants import quant_shape_to_byte_shape
+
         dims = tuple(reversed(self.shape.tolist()))
         plain = {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
                  T.I32: np.int32, T.I64: np.int64}.get(self.tensor_type)
-        start = self._header.data_offset + self.offset
         if plain is not None:
-            return np.frombuffer(self._header.buffer, plain, self.n_elements, start).reshape(dims)
-        data = np.frombuffer(self._header.buffer, np.uint8, n_bytes, start)
+            return np.frombuffer(self._header.buffer, plain, self.n_elements, self.data_offset).reshape(dims)
+        data = np.frombuffer(self._header.buffer, np.uint8, self.n_bytes, self.data_offset)
         return data.reshape(quant_shape_to_byte_shape(dims, self.tensor_type))
 
 

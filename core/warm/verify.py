@@ -60,10 +60,10 @@ def verify_directory(path: Path, expected_sizes: dict[str, int] | None = None) -
 
 def verify_gguf(path: Path) -> Verified:
     """A GGUF file whose metadata and tensor table read, with every tensor inside the file."""
-    from gguf import GGUFReader
+    from fw.model_loader.gguf_header import GGUFHeader
 
     try:
-        reader = GGUFReader(str(path))
+        reader = GGUFHeader(path)
         size = path.stat().st_size
         for t in reader.tensors:
             if t.data_offset + t.n_bytes > size:
