@@ -62,13 +62,33 @@ def test_huge_pages_are_advised_for_the_aligned_part(monkeypatch):
     assert cpu_runtime.advise_huge_pages(cache) is False
 
 
-def test_kv_cache_is_allocated_with_huge_pages_advised(monkeypatch, gqa_dir):
-    advised = []
-    monkeypatch.setattr("fw.engine.model_runner.advise_huge_pages", lambda t: advised.append(t.data_ptr()) or True)
-    engine = LLMEngine(EngineConfig(model=str(gqa_dir), kv_cache_memory="8MiB"))
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def test_kv_cache_is_zero_and_resident_only_where_written(gqa_dir):
+    before = _rss_mib()
+    engine = LLMEngine(EngineConfig(model=str(gqa_dir), kv_cache_memory="256MiB"))
     caches = [layer.kv_cache for layer in engine.runner.layers]
-    assert advised == [c.data_ptr() for c in caches]
-    assert all(bool((c == 0).all()) for c in caches)
+    assert sum(c.numel() * c.element_size() for c in caches) > 200 << 20
+    assert _rss_mib() - before < 100  # the model and runtime, not the 256 MiB cache
+    assert all(bool((c == 0).all()) for c in caches)  # read: zero pages, still not resident
+    assert _rss_mib() - before < 100
+    caches[0].view(-1)[: 32 << 20].fill_(1)  # written pages become resident
+    assert _rss_mib() - before > 32
+
+
+def test_load_memory_is_given_back(monkeypatch):
+    """Freed load-time temporaries leave the heap (tune_malloc keeps freed blocks otherwise)."""
+    cpu_runtime.tune_malloc()
+    blocks = [torch.ones(4 << 20, dtype=torch.uint8) for _ in range(64)]  # 256 MiB of heap blocks (< 32 MiB each)
+    del blocks
+    high = _rss_mib()
+    assert cpu_runtime.release_load_memory() is True
+    assert _rss_mib() < high - 128
+    monkeypatch.setenv("FW_CPU_RUNTIME_TUNING", "0")
+    assert cpu_runtime.release_load_memory() is False
 
 
 @linux_openmp

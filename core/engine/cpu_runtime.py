@@ -12,11 +12,18 @@ Three effects, all measured on SmolLM2 bf16, 64 prompts (docs/performance.md):
   every parallel op waited on sleeping workers: a one-thread speed or worse.
   `release_openmp_threads` ends the main thread's team before the engine thread
   starts (175 -> 64 us for an elementwise op of 590k floats).
-* Batched decode attention reads a few KiB from each of thousands of pages
-  scattered over a 1 GiB KV cache: with 4 KiB pages nearly every read walks the
-  page tables. `advise_huge_pages` asks for 2 MiB pages for the cache (the
-  kernel's transparent huge pages, in their "madvise" mode the default on most
-  distributions): the attention kernel read 4-6% faster.
+* Weights stream from memory every step: `advise_huge_pages` asks for 2 MiB
+  pages for them (fw.layers.weight_arena; the kernel's transparent huge pages,
+  in their "madvise" mode the default on most distributions), so the hardware
+  prefetcher and the TLB do not stop every 4 KiB. The KV cache was advised too
+  (its attention kernel read 4-6% faster) until it became lazily touched: there
+  a first request would make 2 MiB per (layer, K/V, head) resident, 360 MB on
+  SmolLM2, so it stays on 4 KiB pages.
+* Loading leaves hundreds of MB of freed temporaries in that heap:
+  `release_load_memory` trims it once the engine is up.
+* The KV cache is sized for the largest batch, but pages are only written as
+  sequences use them: `zeros_touched_lazily` maps it as the kernel's zero pages,
+  so the resident set grows with the tokens held, not with `--kv-cache-memory`.
 
 `FW_CPU_RUNTIME_TUNING=0` leaves the process as it was.
 """
@@ -26,7 +33,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import glob
+import math
+import mmap
 import os
 import sys
 
@@ -81,6 +91,33 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return madvise(first, last - first, _MADV_HUGEPAGE) == 0
+
+
+def release_load_memory() -> bool:
+    """After loading: collect the loader's garbage (which may hold the checkpoint's file mapping) and give
+    the heap's free memory back to the kernel. Why: `tune_malloc` keeps freed blocks for reuse, so the
+    temporaries of reading, dequantizing and repacking weights (hundreds of MB) would otherwise stay
+    resident for the server's life. True if the heap was trimmed."""
+    gc.collect()
+    if not _enabled():
+        return False
+    try:
+        return _libc().malloc_trim(0) == 1
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+def zeros_touched_lazily(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+    """A zero CPU tensor whose pages are only backed by memory once written: an anonymous private mapping
+    (the kernel's zero pages), asked for huge pages before any write. Why: the KV cache is sized for the
+    longest batch but a server mostly holds short ones; `torch.zeros` would make all of it resident at start
+    (1 GiB by default) and the resident set would say nothing about what the model uses."""
+    nbytes = max(1, math.prod(shape) * dtype.itemsize)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(region, dtype=torch.uint8, count=nbytes)  # keeps `region` alive
+    if huge_pages:
+        advise_huge_pages(tensor)
+    return tensor[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def _libgomp() -> ctypes.CDLL | None:

@@ -16,7 +16,7 @@ import torch
 
 from fw.config import EngineConfig, parse_size
 from fw.engine.block_manager import BlockManager
-from fw.engine.cpu_runtime import tune_malloc
+from fw.engine.cpu_runtime import release_load_memory, tune_malloc
 from fw.engine.detokenizer import IncrementalDetokenizer
 from fw.engine.model_runner import ModelRunner
 from fw.engine.outputs import CompletionOutput, RequestOutput
@@ -69,6 +69,8 @@ class LLMEngine:
             self.blocks = BlockManager(num_blocks, page, config.enable_prefix_caching)
             self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, page,
                                       loaded.dtype, loaded.device)
+        if loaded.device.type == "cpu":
+            release_load_memory()
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_batch_input_tokens, config.chunk_size)
         self.sampler = SamplerPipeline(self.plugins.registry("sampler"), config.sampling_backend)
         self.grammar = GrammarService(self.plugins.registry("grammar_backend"),

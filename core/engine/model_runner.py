@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fw.devices import guard as device_guard
-from fw.engine.cpu_runtime import advise_huge_pages
+from fw.engine.cpu_runtime import zeros_touched_lazily
 from fw.engine.request import Sequence
 from fw.layers.attention import Attention, AttentionMetadata
 
@@ -62,9 +62,11 @@ class ModelRunner:
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
         for layer in self.layers:
             shape = attention_backend.kv_cache_shape(num_blocks, page_size, layer.num_kv_heads, layer.head_dim)
-            cache = torch.empty(shape, dtype=_cache_dtype(layer, dtype), device=device)
-            advise_huge_pages(cache)  # before the first write (zero_), which faults the pages in
-            layer.kv_cache = cache.zero_()
+            cache_dtype = _cache_dtype(layer, dtype)
+            if device.type == "cpu":  # resident as pages are written, not all at start
+                layer.kv_cache = zeros_touched_lazily(tuple(shape), cache_dtype)
+            else:
+                layer.kv_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
 
     @staticmethod
     def kv_bytes_per_block(model: nn.Module, backend: type, page_size: int, dtype: torch.dtype) -> int:
