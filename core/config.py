@@ -3,7 +3,10 @@ environment variables and YAML `--config` keys are derived.
 
 Precedence, lowest to highest: defaults < YAML file < environment < CLI.
 A field's flag is its name with dashes (`max_batch_size` -> `--max-batch-size`),
-its variable is `FW_` + the upper-cased name (`FW_MAX_BATCH_SIZE`).
+its variable is `FW_` + the upper-cased name (`FW_MAX_BATCH_SIZE`). A field may also
+answer to the name another system (vLLM, SGLang, TGI, MAX) gives the same option
+(`aliases`, or `negated_aliases` for a switch that means `--no-<flag>`): CLI flags only,
+listed in docs/flags.md with the system each mirrors.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from fw.errors import ConfigError
 
 
 def _opt(help: str, **extra: Any) -> dict:
+    """A field's metadata: its help, and optionally `choices`, `repeatable`, `aliases` and `negated_aliases`
+    (each a tuple of (flag, the system whose name it is))."""
     return {"help": help, **extra}
 
 
@@ -36,17 +41,21 @@ class EngineConfig:
     """Everything that shapes an engine. Library keyword arguments use these names."""
 
     model: str | None = field(default=None, metadata=_opt(
-        "Model: a local directory, a .gguf file, or a Hugging Face hub id (resolved through the HF cache)."))
+        "Model: a local directory, a .gguf file, or a Hugging Face hub id (resolved through the HF cache).",
+        aliases=(("--model-path", "SGLang"), ("--model-id", "TGI"))))
     revision: str | None = field(default=None, metadata=_opt("Hub revision (branch, tag or commit) of --model."))
     tokenizer: str | None = field(default=None, metadata=_opt("Tokenizer directory or hub id, if not the model's."))
     trust_remote_code: bool = field(default=False, metadata=_opt("Allow model repos to run their own Python code."))
     dtype: str = field(default="auto", metadata=_opt(
         "Weight and activation dtype. auto: the checkpoint's dtype (float16 becomes bfloat16 on CPU; GGUF: float32).",
         choices=("auto", "float32", "bfloat16", "float16")))
-    device: str = field(default="auto", metadata=_opt("cpu, cuda, cuda:N, or auto (cuda when available)."))
+    device: str = field(default="auto", metadata=_opt(
+        "cpu, cuda, cuda:N, or auto (cuda when available); gpu and gpu:N (MAX's names) mean cuda and cuda:N.",
+        aliases=(("--devices", "MAX"),)))
     seed: int = field(default=0, metadata=_opt("Seeds torch's global generator at start-up; requests without a seed draw from it."))
     max_length: int | None = field(default=None, metadata=_opt(
-        "Longest sequence (prompt + output) served; default: the model's context length."))
+        "Longest sequence (prompt + output) served; default: the model's context length.",
+        aliases=(("--max-model-len", "vLLM"), ("--max-total-tokens", "TGI"))))
     attention_backend: str = field(default="auto", metadata=_opt(
         "Attention backend plugin by name, or auto (the highest-priority one that can run)."))
     moe_backend: str = field(default="auto", metadata=_opt(
@@ -61,7 +70,8 @@ class EngineConfig:
         "(e.g. hermes, llama3_json), or auto: the one that recognises the model's chat template; with none "
         "that fits, tool_choice auto with tools is refused (required and named choices need no parser)."))
     quantization: str | None = field(default=None, metadata=_opt(
-        "Quantization method plugin; default: from the checkpoint's quantization_config."))
+        "Quantization method plugin; default: from the checkpoint's quantization_config.",
+        aliases=(("--quantize", "TGI"),)))
     gguf_dequantize_at_load: bool | None = field(default=None, metadata=_opt(
         "GGUF models: dequantize every weight once at load instead of keeping linear weights packed (the gguf "
         "method). Default: keep packed on CPUs with AVX512-VNNI, where fw's packed-int kernels run Q4_0/Q4_1/"
@@ -84,9 +94,12 @@ class EngineConfig:
         "Exact number of KV-cache pages; overrides --kv-cache-memory (testing, tuning)."))
     enable_prefix_caching: bool = field(default=True, metadata=_opt(
         "Reuse KV pages of identical prompt prefixes across requests."))
-    max_batch_size: int = field(default=64, metadata=_opt("Most sequences in one engine step."))
+    max_batch_size: int = field(default=64, metadata=_opt(
+        "Most sequences in one engine step.",
+        aliases=(("--max-num-seqs", "vLLM"), ("--max-running-requests", "SGLang"))))
     max_batch_input_tokens: int = field(default=2048, metadata=_opt(
-        "Token budget of one engine step (decode tokens + prefill chunks)."))
+        "Token budget of one engine step (decode tokens + prefill chunks).",
+        aliases=(("--max-num-batched-tokens", "vLLM"), ("--max-batch-prefill-tokens", "TGI"))))
     prefill_chunk_size: int | None = field(default=None, metadata=_opt(
         "Longest prefill chunk of one sequence in one step; default: --max-batch-input-tokens."))
     model_impl: str = field(default="auto", metadata=_opt(
@@ -122,7 +135,7 @@ class EngineConfig:
         "Largest batch-size bucket (default --max-batch-size)."))
     skip_warmup: bool = field(default=False, metadata=_opt(
         "With --enable-torch-compile: be ready without compiling every bucket first (each compiles at its "
-        "first use while serving)."))
+        "first use while serving).", aliases=(("--skip-server-warmup", "SGLang"),)))
     compile_cache_dir: str | None = field(default=None, metadata=_opt(
         "Where compiled steps are cached, one folder per configuration; default: $FW_CACHE_DIR/compile "
         "(~/.cache/fw/compile)."))
@@ -132,6 +145,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.compile_mode is not None and self.enable_torch_compile is False:
             self.enable_torch_compile = True  # --compile-mode alone turns compilation on
+        self.device = _device_name(self.device)
         self.validate()
 
     def validate(self) -> None:
@@ -182,6 +196,17 @@ class EngineConfig:
     @property
     def chunk_size(self) -> int:
         return self.prefill_chunk_size or self.max_batch_input_tokens
+
+
+def _device_name(name: str) -> str:
+    """MAX's device names (`--devices gpu`, `gpu:N`) as torch's; several devices are refused here."""
+    text = str(name).strip()
+    if "," in text:
+        raise ConfigError(f"--device {text}: one device only (cpu, cuda, cuda:N, gpu, gpu:N); "
+                          "fw does not split a model across devices")
+    if text == "gpu" or text.startswith("gpu:"):
+        return "cuda" + text[3:]
+    return text
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -266,6 +291,19 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConf
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
         group.add_argument(flag_name(f.name), **kwargs)
+        # another system's name: an action of its own (an error names the flag that was typed); a switch's
+        # alias sets it (no --no- form of another system's name), a negated alias clears it
+        for alias, system in meta.get("aliases", ()):
+            if tp is bool:
+                group.add_argument(alias, dest=f.name, action="store_const", const=True, default=None,
+                                   help=f"{system}'s name for {flag_name(f.name)}.")
+            else:
+                extra = {k: v for k, v in kwargs.items() if k not in ("help", "dest")}
+                group.add_argument(alias, dest=f.name, metavar=f.name.upper(), **extra,
+                                   help=f"{system}'s name for {flag_name(f.name)}.")
+        for alias, system in meta.get("negated_aliases", ()):
+            group.add_argument(alias, dest=f.name, action="store_const", const=False, default=None,
+                               help=f"{system}'s name for --no-{flag_name(f.name)[2:]}.")
     if not any(a.dest == "config" for a in parser._actions):
         parser.add_argument("--config", default=None, help="YAML file of options (keys: flag names); CLI wins.")
 

@@ -110,9 +110,59 @@ def test_every_field_has_a_flag_an_env_var_and_a_yaml_key(name, tmp_path):
 def test_flags_are_declared_once_per_field():
     flags = [s for a in parser()._actions for s in a.option_strings if s.startswith("--")]
     assert sorted(set(flags)) == sorted(flags)
+    names = {f.name: [flag_name(f.name), *(alias for alias, _ in f.metadata.get("aliases", ()))]
+             for f in dataclasses.fields(EngineConfig)}
     booleans = {f.name for f, tp in _fields(EngineConfig) if tp is bool}  # bool and bool | None fields
-    expected = {flag_name(n) for n in FIELDS} | {f"--no-{flag_name(n)[2:]}" for n in booleans}
+    expected = {flag for n in FIELDS for flag in names[n]}
+    expected |= {f"--no-{flag_name(n)[2:]}" for n in booleans}  # a switch's alias has no --no- form
     assert set(flags) == expected | {"--config", "--help"}
+
+
+# The seeds' names for fw's options (issue 19): each reaches the same field as fw's own flag.
+ALIASES = [
+    (["--model-path", "some/model"], "model", "some/model"),  # SGLang
+    (["--model-id", "some/model"], "model", "some/model"),  # TGI
+    (["--devices", "cpu"], "device", "cpu"),  # MAX
+    (["--devices", "gpu"], "device", "cuda"),
+    (["--devices", "gpu:1"], "device", "cuda:1"),
+    (["--max-model-len", "512"], "max_length", 512),  # vLLM
+    (["--max-total-tokens", "512"], "max_length", 512),  # TGI
+    (["--quantize", "gptq"], "quantization", "gptq"),  # TGI
+    (["--max-num-seqs", "8"], "max_batch_size", 8),  # vLLM
+    (["--max-running-requests", "8"], "max_batch_size", 8),  # SGLang
+    (["--max-num-batched-tokens", "256"], "max_batch_input_tokens", 256),  # vLLM
+    (["--max-batch-prefill-tokens", "256"], "max_batch_input_tokens", 256),  # TGI
+    (["--skip-server-warmup"], "skip_warmup", True),  # SGLang
+]
+
+
+@pytest.mark.parametrize("argv, name, expected", ALIASES, ids=[" ".join(a[0]) for a in ALIASES])
+def test_a_seed_systems_flag_name_reaches_the_same_field(argv, name, expected):
+    own = [flag_name(name), *argv[1:]] if not argv[0].startswith("--devices") else ["--device", argv[1]]
+    assert getattr(from_cli(argv), name) == expected == getattr(from_cli(own), name)
+
+
+@pytest.mark.parametrize("argv, name, expected", [
+    (["--disable-log-requests"], "log_requests", False),  # vLLM: the same as --no-log-requests
+    (["--json-output"], "json_logs", True),  # TGI
+])
+def test_a_seed_systems_server_flag_reaches_the_same_field(argv, name, expected):
+    from fw.server.config import ServerConfig
+
+    p = argparse.ArgumentParser()
+    add_config_arguments(p, ServerConfig, "server options")
+
+    def resolve(args: list[str], environ: dict[str, str]) -> ServerConfig:
+        return resolve_config(cli=vars(p.parse_args(args)), environ=environ, cls=ServerConfig)
+
+    assert getattr(resolve(argv, {}), name) == expected
+    assert getattr(resolve(argv, {env_name(name): str(not expected).lower()}), name) == expected  # the CLI wins
+    assert getattr(resolve([], {env_name(name): str(not expected).lower()}), name) == (not expected)
+
+
+def test_several_devices_are_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match=r"--device gpu:0,1: one device only"):
+        from_cli(["--devices", "gpu:0,1"])
 
 
 def test_precedence_defaults_yaml_env_cli(tmp_path):

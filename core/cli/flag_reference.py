@@ -113,6 +113,11 @@ def _config_rows(cls: type) -> list[list[str]]:
         flag = _code(flag_name(f.name))
         if tp is bool:
             flag += " / " + _code("--no-" + flag_name(f.name)[2:])
+        aliases = [f"{_code(alias)} ({system})" for alias, system in meta.get("aliases", ())]
+        aliases += [f"{_code(alias)} ({system}, = {_code('--no-' + flag_name(f.name)[2:])})"
+                    for alias, system in meta.get("negated_aliases", ())]
+        if aliases:
+            flag += "; also " + ", ".join(aliases)
         if "choices" in meta:
             kind = " \\| ".join(_code(c) for c in meta["choices"])
         else:
@@ -144,6 +149,8 @@ def generate() -> str:
         "Engine and server options are also read from `FW_<NAME>` environment variables and from the",
         "YAML file given with `--config` (keys: the field name, with dashes or underscores); the command",
         "line wins over the environment, which wins over the file. Boolean options have a `--no-` form.",
+        "Where vLLM, SGLang, TGI or MAX name an option differently, that name works too (\"also\": a",
+        "command-line alias of the same option, with the system it mirrors).",
         "How they combine, and what the commands do: [cli.md](cli.md). Commands and options added by",
         "plugins are not listed here (they depend on what is installed): `fw COMMAND --help` shows them.",
         "",

@@ -31,8 +31,10 @@ class ServerConfig:
     payload_limit: int = field(default=2_000_000, metadata=_opt("Largest request body in bytes (HTTP 413 above)."))
     shutdown_timeout: float = field(default=30.0, metadata=_opt(
         "On SIGTERM/SIGINT: seconds to let running requests finish before aborting them."))
-    log_requests: bool = field(default=False, metadata=_opt("Log every request (id, sizes, parameters)."))
-    json_logs: bool = field(default=False, metadata=_opt("Write logs as JSON lines."))
+    log_requests: bool = field(default=False, metadata=_opt(
+        "Log every request (id, sizes, parameters).", negated_aliases=(("--disable-log-requests", "vLLM"),)))
+    json_logs: bool = field(default=False, metadata=_opt("Write logs as JSON lines.",
+                                                         aliases=(("--json-output", "TGI"),)))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
