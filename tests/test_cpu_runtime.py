@@ -146,3 +146,49 @@ def test_weight_arena_packs_weights_side_by_side_on_huge_pages():
     w = torch.randn(7, 5, dtype=torch.bfloat16)
     held = weight_arena.holding(w)
     assert torch.equal(held, w) and held.dtype == w.dtype and held.shape == w.shape
+
+
+def test_thread_governor_follows_the_cores_others_leave(monkeypatch):
+    """Busy neighbours measured from /proc ticks: one busy core of two -> 1 thread, gone -> back to 2, within
+    bounds, at most one change per settle time."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    clock = [100.0]
+    monkeypatch.setattr(cpu_runtime.time, "monotonic", lambda: clock[0])
+    gov = cpu_runtime.ThreadGovernor(2, interval_s=0.5, settle_s=2.0)
+    gov._cpus, gov._tick_hz = frozenset({0, 1}), 100
+    ticks = {"busy": 0, "own": 0}
+    monkeypatch.setattr(cpu_runtime, "_cpu_ticks", lambda cpus: (ticks["busy"], ticks["own"]))
+
+    def advance(seconds: float, others_cores: float, own_cores: float) -> int:
+        clock[0] += seconds
+        ticks["busy"] += int(100 * seconds * (others_cores + own_cores))
+        ticks["own"] += int(100 * seconds * own_cores)
+        return gov.update()
+
+    assert gov.update() == 2 and calls == []  # first sample: nothing to compare with
+    assert advance(1.0, 0.1, 1.9) == 2  # alone
+    assert advance(0.1, 1.0, 1.0) == 2  # within the interval: not sampled
+    assert advance(3.0, 1.0, 1.0) == 1 and calls == [1]  # one neighbour core
+    assert advance(1.0, 0.0, 1.0) == 1  # gone, but the last change is 1 s old
+    assert advance(2.0, 0.0, 1.0) == 2 and calls == [1, 2]
+    assert advance(3.0, 5.0, 1.0) == 1  # never below one thread
+    assert cpu_runtime.ThreadGovernor(4).max_threads == 4
+
+
+def test_thread_governor_is_off_for_one_thread_or_without_tuning(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert cpu_runtime.ThreadGovernor.for_this_process() is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    if sys.platform.startswith("linux"):
+        assert cpu_runtime.ThreadGovernor.for_this_process() is not None
+    monkeypatch.setenv("FW_CPU_RUNTIME_TUNING", "0")
+    assert cpu_runtime.ThreadGovernor.for_this_process() is None
+
+
+def test_bench_contention_starts_and_stops_busy_neighbours():
+    from fw.bench.contention import busy_neighbours
+
+    with busy_neighbours(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    assert all(p.poll() is not None for p in procs)

@@ -103,6 +103,9 @@ def _configure_offline(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                         "and print fw/baseline ratios (default none).")
     w.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
                    help="The folder with llama.cpp's llama-bench and llama-batched-bench (--baseline llama.cpp).")
+    w.add_argument("--contention", type=int, default=0, metavar="N",
+                   help="Run N busy neighbour processes (one core each) during the measurement, fw's and the "
+                        "baseline's passes alike: the speed on a shared host (default 0).")
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None, help="Write fw's figures, the baseline's and their ratios here.")
     o.add_argument("--no-progress", action="store_true", help="No progress bars on stderr.")
@@ -145,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_offline(args: argparse.Namespace) -> int:
     from fw.bench import offline
+    from fw.bench.contention import busy_neighbours
     from fw.bench.report import write_json
     from fw.config import resolve_config
     from fw.default_model import default_model
@@ -153,17 +157,21 @@ def run_offline(args: argparse.Namespace) -> int:
     config = resolve_config(cli=vars(args), config_file=args.config)
     if config.model is None:
         config.model = default_model()
+    if args.contention < 0:
+        raise SystemExit("fw bench: --contention must be 0 or more")
     llm = LLM(**vars(config))
     common = dict(output_len=args.output_len, baseline=args.baseline, llama_cpp_bin=args.llama_cpp_bin,
                   seed=config.seed, progress=not args.no_progress)
-    if args.bench_action == "latency":
-        report = offline.bench_latency(llm, input_len=args.input_len, num_iters=args.num_iters,
-                                       num_iters_warmup=args.num_iters_warmup, **common)
-    else:
-        report = offline.bench_throughput(llm, num_prompts=args.num_prompts, input_len=args.input_len,
-                                          input_len_range=args.input_len_range,
-                                          baseline_batch_size=args.baseline_batch_size,
-                                          num_passes=args.num_passes, **common)
+    with busy_neighbours(args.contention):
+        if args.bench_action == "latency":
+            report = offline.bench_latency(llm, input_len=args.input_len, num_iters=args.num_iters,
+                                           num_iters_warmup=args.num_iters_warmup, **common)
+        else:
+            report = offline.bench_throughput(llm, num_prompts=args.num_prompts, input_len=args.input_len,
+                                              input_len_range=args.input_len_range,
+                                              baseline_batch_size=args.baseline_batch_size,
+                                              num_passes=args.num_passes, **common)
+    report["workload"]["contention"] = args.contention
     if args.output_json:
         write_json(report, args.output_json)
     print(offline.format_table(report))

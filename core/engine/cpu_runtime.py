@@ -24,6 +24,9 @@ Three effects, all measured on SmolLM2 bf16, 64 prompts (docs/performance.md):
 * The KV cache is sized for the largest batch, but pages are only written as
   sequences use them: `zeros_touched_lazily` maps it as the kernel's zero pages,
   so the resident set grows with the tokens held, not with `--kv-cache-memory`.
+* Torch's parallel regions wait at a barrier for every thread: with one core
+  busy elsewhere, a 2-thread step waits on a descheduled thread hundreds of
+  times. `ThreadGovernor` steps with the cores other processes leave free.
 
 `FW_CPU_RUNTIME_TUNING=0` leaves the process as it was.
 """
@@ -35,12 +38,16 @@ import ctypes.util
 import functools
 import gc
 import glob
+import logging
 import math
 import mmap
 import os
 import sys
+import time
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -118,6 +125,73 @@ def zeros_touched_lazily(shape: tuple[int, ...], dtype: torch.dtype, huge_pages:
     if huge_pages:
         advise_huge_pages(tensor)
     return tensor[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+def _cpu_ticks(cpus: frozenset[int]) -> tuple[int, int]:
+    """(busy clock ticks of `cpus` since boot, all processes; this process's own ticks) from /proc. Steal
+    time counts as busy: on a VM it is a neighbour holding the core."""
+    busy = 0
+    with open("/proc/stat") as stat:
+        for line in stat:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+                busy += user + nice + system + irq + softirq + steal
+    with open("/proc/self/stat") as own:
+        fields = own.read().rsplit(")", 1)[1].split()
+    return busy, int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+
+
+class ThreadGovernor:
+    """Fits the step's OpenMP thread count to the cores other processes leave free.
+
+    Why: torch's parallel regions end at a barrier that waits for every thread; with as many threads as
+    cores and one core busy elsewhere, each of a step's hundreds of regions waits for a descheduled thread,
+    and batch-1 decode fell from 82 to 1.0 tok/s on this project's 2-core machine next to one busy process.
+    Every `interval_s` the governor measures the CPU time other processes took on the cores this process may
+    use and runs the next steps with the cores they left (at least 1, at most the configured count)."""
+
+    def __init__(self, threads: int, interval_s: float = 0.5, settle_s: float = 2.0):
+        self.max_threads = self.threads = threads
+        self.interval_s, self.settle_s = interval_s, settle_s
+        self._cpus = frozenset(os.sched_getaffinity(0))
+        self._tick_hz = os.sysconf("SC_CLK_TCK")
+        self._last: tuple[float, int, int] | None = None
+        self._changed_at = 0.0
+
+    @classmethod
+    def for_this_process(cls) -> "ThreadGovernor | None":
+        """A governor where it can help: Linux, tuning on, more than one thread."""
+        threads = torch.get_num_threads()
+        if not _enabled() or threads < 2 or not os.path.exists("/proc/stat"):
+            return None
+        return cls(threads)
+
+    def others_cores(self, now: float, busy: int, own: int) -> float | None:
+        """Cores other processes used since the last sample (None on the first)."""
+        last, self._last = self._last, (now, busy, own)
+        if last is None or now <= last[0]:
+            return None
+        return max(0.0, ((busy - last[1]) - (own - last[2])) / (self._tick_hz * (now - last[0])))
+
+    def update(self) -> int:
+        """Call before each step (cheap between samples): the thread count it should run with."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self.interval_s:
+            return self.threads
+        try:
+            others = self.others_cores(now, *_cpu_ticks(self._cpus))
+        except (OSError, ValueError, IndexError):
+            return self.threads
+        if others is None:
+            return self.threads
+        want = max(1, min(self.max_threads, round(len(self._cpus) - others)))
+        if want != self.threads and now - self._changed_at >= self.settle_s:
+            logger.info("other processes use %.1f of %d cores: stepping with %d thread(s) instead of %d",
+                        others, len(self._cpus), want, self.threads)
+            torch.set_num_threads(want)
+            self.threads, self._changed_at = want, now
+        return self.threads
 
 
 def _libgomp() -> ctypes.CDLL | None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fw.devices import guard as device_guard
-from fw.engine.cpu_runtime import zeros_touched_lazily
+from fw.engine.cpu_runtime import ThreadGovernor, zeros_touched_lazily
 from fw.engine.request import Sequence
 from fw.layers.attention import Attention, AttentionMetadata
 
@@ -60,6 +60,9 @@ class ModelRunner:
         self._logits_buf: torch.Tensor | None = None
         self.compiled = None  # a fw.compile.CompiledStep with --enable-torch-compile (set by fw.compile.attach)
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        # CPU: the thread count follows the cores other processes leave free (a busy neighbour otherwise
+        # stalls every parallel region of the step); None elsewhere.
+        self.governor = ThreadGovernor.for_this_process() if device.type == "cpu" else None
         for layer in self.layers:
             shape = attention_backend.kv_cache_shape(num_blocks, page_size, layer.num_kv_heads, layer.head_dim)
             cache_dtype = _cache_dtype(layer, dtype)
@@ -76,6 +79,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new: list[int]) -> StepLogits:
+        if self.governor is not None:
+            self.governor.update()
         # Decodes first: backends handle the one-token group together.
         order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)
         seqs = [seqs[i] for i in order]
