@@ -209,3 +209,25 @@ def test_closed_pipe_is_not_a_traceback():
                           capture_output=True, text=True, timeout=120)
     assert "Error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 0
+
+
+def test_serve_on_a_port_in_use_fails_before_loading_the_model_naming_the_flag():
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from server_fixtures import server_env
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "fw.cli.main", "serve", "--port", str(port)], env=server_env(),
+                           capture_output=True, text=True, timeout=60)
+        took = time.perf_counter() - start
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"fw: error: --port {port}: the port is already in use on 127.0.0.1; stop what "
+                                f"listens there or pass another --port"), r.stderr
+    assert "loading" not in r.stderr and took < 20, took  # no model was loaded (a load takes longer than this)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
 from fw.config import EngineConfig, add_config_arguments, resolve_config
+from fw.errors import ConfigError
 from fw.warm.startup import mark_ready
 
 NAME = "serve"
@@ -33,21 +36,25 @@ def served_names(config, model_arg: str | None, source_path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fw.server.config import ServerConfig
+
+    engine_config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))
+    server_config = resolve_config(cli=vars(args), config_file=args.config, cls=ServerConfig,
+                                   shares_file_with=(EngineConfig,))
+    # before the imports and the model load: a port in use fails in a fraction of a second
+    sock = listening_socket(server_config.host, server_config.port)
+
     import uvicorn
 
     from fw.default_model import default_model
     from fw.engine.engine import LLMEngine
     from fw.server.app import build_app
     from fw.server.async_engine import AsyncEngine
-    from fw.server.config import ServerConfig
     from fw.server.metrics import ServerMetrics
     from fw.server.state import ServerState
     from fw.plugins.manager import get_plugin_manager
     from fw.server.tools import check_tool_parser_flag
 
-    engine_config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))
-    server_config = resolve_config(cli=vars(args), config_file=args.config, cls=ServerConfig,
-                                   shares_file_with=(EngineConfig,))
     _configure_logging(server_config.json_logs, args.log_level)
     model_arg = engine_config.model
     if engine_config.model is None:
@@ -74,8 +81,25 @@ def run(args: argparse.Namespace) -> int:
     _announce_when_ready(server, server_config, names[0])
     _end_streams_before_the_deadline(server, state, grace)
     _graceful_sigterm_exits_zero()
-    server.run()
+    server.run(sockets=[sock])
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (uvicorn listens on it once the model is loaded). Where the address is
+    taken or not this machine's, a ConfigError names the flag instead of uvicorn's errno after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a TIME_WAIT port
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"--port {port}: the port is already in use on {host}; stop what listens there "
+                              f"or pass another --port") from None
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+    return sock
 
 
 def _graceful_sigterm_exits_zero() -> None:
