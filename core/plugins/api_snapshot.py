@@ -47,6 +47,7 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.plugins.specs.GrammarBackendSpec", "use"),
     ("fw.plugins.specs.ToolParserSpec", "use"),
     ("fw.plugins.specs.CliCommandSpec", "use"),
+    ("fw.plugins.specs.ProposerSpec", "use"),
     ("fw.plugins.specs.Verified", "use"),
     # the interfaces plugins implement
     ("fw.layers.attention.AttentionBackend", "impl"),
@@ -57,6 +58,7 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.grammar.contract.GrammarMatcher", "impl"),
     ("fw.tool_parsing.ToolParser", "impl"),
     ("fw.warm.artifact.WarmArtifact", "impl"),
+    ("fw.speculative.contract.Proposer", "impl"),
     # what the core hands to plugins
     ("fw.layers.attention.AttentionMetadata", "use"),
     ("fw.layers.context.ModelContext", "use"),
@@ -69,6 +71,9 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.tool_parsing.ToolCall", "use"),
     ("fw.warm.artifact.WarmItem", "use"),
     ("fw.warm.artifact.WarmContext", "use"),
+    ("fw.speculative.contract.ProposerContext", "use"),
+    ("fw.speculative.contract.DraftRequest", "use"),
+    ("fw.speculative.contract.Draft", "use"),
     # the building blocks architecture plugins are made of (fw.layers)
     ("fw.layers.linear.Linear", "use"),
     ("fw.layers.linear.UnquantizedLinearMethod", "use"),
@@ -101,7 +106,7 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
 )
 
 # Modules whose public names (`__all__`) plugins import: removing one breaks them.
-STABLE_MODULES: tuple[str, ...] = ("fw.plugins", "fw.layers", "fw.grammar", "fw.warm")
+STABLE_MODULES: tuple[str, ...] = ("fw.plugins", "fw.layers", "fw.grammar", "fw.warm", "fw.speculative")
 
 # Values plugins compare against or name in their pyproject.
 STABLE_CONSTANTS: tuple[str, ...] = (

@@ -55,6 +55,11 @@ def fw_register_tool_parsers(register) -> None:
 
 
 @hookspec
+def fw_register_proposers(register) -> None:
+    """Register `ProposerSpec`s: speculative-decoding proposers, named by `--speculative-config`'s method."""
+
+
+@hookspec
 def fw_register_cli_commands(register) -> None:
     """Register `CliCommandSpec`s: new `fw <name>` subcommands."""
 

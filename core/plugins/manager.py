@@ -41,6 +41,7 @@ HOOKS = {
     "grammar_backend": "fw_register_grammar_backends",
     "tool_parser": "fw_register_tool_parsers",
     "cli_command": "fw_register_cli_commands",
+    "proposer": "fw_register_proposers",
 }
 assert set(HOOKS) == set(KINDS)
 

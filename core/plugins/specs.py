@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 KINDS = ("architecture", "attention_backend", "moe_kernel", "quantization_method", "sampler", "grammar_backend",
-         "tool_parser", "cli_command")
+         "tool_parser", "cli_command", "proposer")
 
 
 def _device_and_dtype_reasons(spec, req) -> list[str]:
@@ -384,8 +384,41 @@ class CliCommandSpec:
         return {"help": self.help}
 
 
+@dataclass(frozen=True)
+class ProposerSpec:
+    """A speculative-decoding proposer: drafts tokens that the target model then verifies
+    (docs/speculative.md). `factory(args: dict, context: fw.speculative.ProposerContext)` returns a
+    `fw.speculative.Proposer`; `--speculative-config`'s `method` names the spec. `args` are that
+    configuration's keys other than fw's own (`method`, `num_speculative_tokens`, `disable_by_batch_size`,
+    `min_acceptance_rate`), checked against `parameters` (a JSON schema with "type": "object", its
+    top-level `default`s filled in); a spec without one takes no keys of its own. A factory may raise
+    ValueError for a bad combination; fw reports it as a configuration error naming the flag."""
+
+    name: str
+    factory: Callable[[dict, Any], Any]
+    parameters: dict[str, Any] | None = None
+    description: str = ""
+    kind = "proposer"
+
+    def __post_init__(self) -> None:
+        if self.parameters is None:
+            return
+        if not isinstance(self.parameters, dict) or self.parameters.get("type") != "object":
+            raise ValueError(f'proposer {self.name!r}: parameters must be a JSON schema with "type": "object"')
+        import jsonschema  # only plugins that declare a schema pay for the import
+
+        try:
+            jsonschema.validators.validator_for(self.parameters, default=jsonschema.Draft202012Validator
+                                                ).check_schema(self.parameters)
+        except jsonschema.SchemaError as exc:
+            raise ValueError(f"proposer {self.name!r}: parameters is not a valid JSON schema: {exc.message}") from None
+
+    def summary(self) -> dict:
+        return {"parameters": self.parameters}
+
+
 Spec = (ArchitectureSpec | AttentionBackendSpec | MoeKernelSpec | QuantizationMethodSpec | SamplerSpec
-        | GrammarBackendSpec | ToolParserSpec | CliCommandSpec)
+        | GrammarBackendSpec | ToolParserSpec | CliCommandSpec | ProposerSpec)
 
 
 __all__ = [
@@ -400,6 +433,7 @@ __all__ = [
     "GrammarBackendSpec",
     "ToolParserSpec",
     "CliCommandSpec",
+    "ProposerSpec",
     "Verified",
     "verification",
 ]

@@ -23,7 +23,9 @@ class SamplingParams:
     `samplers` names per-request sampler stages and their parameters,
     ``[{"name": "dry", "multiplier": 0.8}, "xtc"]`` (a bare name takes the defaults); the
     engine checks each against the sampler's declared schema. `allowed_token_ids`
-    (vLLM's field) restricts every generated token to those ids.
+    (vLLM's field) restricts every generated token to those ids. `speculative=False` opts the
+    request out of speculative decoding when the engine runs with `--speculative-config` (its output
+    is the same either way; speculation only changes how fast it comes).
     """
 
     n: int = 1
@@ -49,6 +51,7 @@ class SamplingParams:
     samplers: list[SamplerRequest | dict[str, Any] | str] | None = None  # SamplerRequests after __post_init__
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
