@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import typing
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fw.errors import ConfigError
+from fw.speculative.config import SpeculativeConfig
 
 
 def _opt(help: str, **extra: Any) -> dict:
@@ -69,6 +71,11 @@ class EngineConfig:
         "Tool-call parser plugin that extracts tool calls from the text of chat requests with tool_choice auto "
         "(e.g. hermes, llama3_json), or auto: the one that recognises the model's chat template; with none "
         "that fits, tool_choice auto with tools is refused (required and named choices need no parser)."))
+    speculative_config: dict | None = field(default=None, metadata=_opt(
+        "Speculative decoding, a JSON object as vLLM's: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}. method names a proposer plugin (ngram: prompt "
+        "lookup); the output is the same as without it. Also disable_by_batch_size (default 8) and "
+        "min_acceptance_rate (default 0.2); docs/speculative.md."))
     quantization: str | None = field(default=None, metadata=_opt(
         "Quantization method plugin; default: from the checkpoint's quantization_config.",
         aliases=(("--quantize", "TGI"),)))
@@ -175,6 +182,7 @@ class EngineConfig:
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        SpeculativeConfig.parse(self.speculative_config)  # its structure; the method is checked by the engine
         self._validate_compile()
 
     def _validate_compile(self) -> None:
@@ -269,10 +277,16 @@ def _coerce(name: str, tp: Any, value: Any, source: str | None = None) -> Any:
             if isinstance(value, (list, tuple)):
                 return [str(v) for v in value]
             return [p.strip() for p in str(value).split(",") if p.strip()]
+        if tp is dict:  # a JSON object on the command line or in FW_*; a mapping from YAML or the library
+            value = value if isinstance(value, dict) else json.loads(str(value))
+            if not isinstance(value, dict):
+                raise ValueError(value)
+            return dict(value)
         return tp(value)
     except (TypeError, ValueError):
         raise ConfigError(
-            f"{source or flag_name(name)}: cannot read {value!r} as {getattr(tp, '__name__', tp)}") from None
+            f"{source or flag_name(name)}: cannot read {value!r} as "
+            f"{'a JSON object' if tp is dict else getattr(tp, '__name__', tp)}") from None
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConfig,
@@ -287,7 +301,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConf
         elif meta.get("repeatable"):
             kwargs["action"] = "append"
         else:
-            kwargs["type"] = str if tp is Any else tp
+            kwargs["type"] = str if tp in (Any, dict) else tp
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
         group.add_argument(flag_name(f.name), **kwargs)

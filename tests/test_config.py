@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -67,6 +68,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "skip_warmup": (["--skip-warmup"], True),
     "compile_cache_dir": (["--compile-cache-dir", "/tmp/fw-compile"], "/tmp/fw-compile"),
     "compile_cache_size_mb": (["--compile-cache-size-mb", "100"], 100),
+    "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                           {"method": "ngram", "num_speculative_tokens": 3}),
 }
 
 
@@ -82,6 +85,8 @@ def from_cli(argv: list[str], environ: dict[str, str] | None = None) -> EngineCo
 
 
 def env_text(value: object) -> str:
+    if isinstance(value, dict):  # a JSON object option
+        return json.dumps(value)
     if isinstance(value, list):
         return ",".join(value)
     return str(value).lower() if isinstance(value, bool) else str(value)

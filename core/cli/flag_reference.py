@@ -39,8 +39,8 @@ def _code(text: Any) -> str:
 
 
 def _type_name(tp: Any) -> str:
-    return {str: "string", int: "int", float: "float", bool: "bool", list: "list of strings"}.get(
-        tp, getattr(tp, "__name__", str(tp)).lstrip("_"))
+    names = {str: "string", int: "int", float: "float", bool: "bool", list: "list of strings", dict: "JSON object"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)).lstrip("_"))
 
 
 def _default(value: Any) -> str:

@@ -138,6 +138,19 @@ class BlockManager:
             seq.block_table.append(block)
         return True
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's pages past the first `num_tokens` tokens: the pages a speculative verify pass
+        took for draft tokens that were rejected. They were allocated in that step, so they are
+        unshared and unpublished; they go to the front of the free list."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+                if self.block_hash[block] is None:
+                    self.free.move_to_end(block, last=False)
+
     def release(self, seq: Sequence) -> None:
         """Drop seq's pages; the tail goes to the front of the eviction order."""
         for block in reversed(seq.block_table):

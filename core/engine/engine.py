@@ -30,6 +30,10 @@ from fw.plugins.manager import PluginManager, get_plugin_manager
 from fw.sampling.batch import SamplingBatch
 from fw.sampling.params import SamplingParams
 from fw.sampling.pipeline import SamplerPipeline, token_logprobs
+from fw.speculative.config import SpeculativeConfig
+from fw.speculative.contract import ProposerContext
+from fw.speculative.rejection import accepted_prefix, verify
+from fw.speculative.service import Speculator
 from fw.warm import startup
 
 logger = logging.getLogger("fw.engine")
@@ -59,6 +63,9 @@ class LLMEngine:
             from fw.compile.modes import check_compile_mode  # here: fw.compile's import costs start-up time
 
             check_compile_mode(config.compile_mode, resolve_device(config.device).type)
+        # --speculative-config: a bad method or option fails here, before any weight is read
+        spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self.speculator = Speculator(spec_config, self.plugins.registry("proposer")) if spec_config else None
         loaded = self.loaded = load_model(config, self.plugins)
         self.tokenizer = loaded.tokenizer
         self.max_length = loaded.max_length
@@ -76,6 +83,10 @@ class LLMEngine:
         self.grammar = GrammarService(self.plugins.registry("grammar_backend"),
                                       GrammarTokenizer(self.tokenizer, self.vocab_size, loaded.eos_token_ids),
                                       config.grammar_backend)
+        if self.speculator is not None:
+            self.speculator.start(ProposerContext(
+                self.vocab_size, frozenset(loaded.eos_token_ids), spec_config.num_speculative_tokens,
+                loaded.device, self.tokenizer, config, self.plugins))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_blocks, page, num_blocks * page)
@@ -217,6 +228,8 @@ class LLMEngine:
             if not seq.finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+                if self.speculator is not None:
+                    self.speculator.release(seq)
         return self._output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -225,39 +238,131 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:  # drafts for this step (fw.speculative), verified below
+            self.speculator.propose(self.scheduler.running, self.max_length)
         batch = self.scheduler.schedule()
         if not batch:
             return []
         result = self.runner.execute(batch.seqs, batch.num_new_tokens)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.draft_token_ids:
+                continue  # a verify pass: what its draft keeps sets its computed tokens (_verify)
             seq.num_computed_tokens += n
             self.blocks.commit_full_blocks(seq)
         for seq, first, logits in result.prompt_logits:
             self._add_prompt_logprobs(seq, first, logits)
         touched: dict[str, Request] = {}
         if result.sample_seqs:
-            sampling = SamplingBatch(result.sample_seqs, self.vocab_size, self.loaded.device,
-                                     self.loaded.eos_token_ids)
-            grammar_mask = self.grammar.fill_bitmask([s.grammar for s in result.sample_seqs])
-            sampled = self.sampler.sample(result.sample_logits, sampling, grammar_mask)
+            seqs = result.sample_seqs
+            drafting = any(s.draft_token_ids for s in seqs)
+            rows = _sampling_rows(seqs) if drafting else seqs
+            sampling = SamplingBatch(rows, self.vocab_size, self.loaded.device, self.loaded.eos_token_ids)
+            if drafting:
+                grammar_mask = self.grammar.fill_bitmask_with_drafts([s.grammar for s in seqs],
+                                                                     [s.draft_token_ids for s in seqs])
+                keep, rewinds = self._verify_inputs(seqs, result.sample_logits, grammar_mask)
+            else:
+                grammar_mask = self.grammar.fill_bitmask([s.grammar for s in seqs])
+                keep, rewinds = None, {}
+            sampled = self.sampler.sample(result.sample_logits, sampling, grammar_mask, keep)
             now = time.monotonic()
-            for seq, token, lp in zip(result.sample_seqs, sampled.token_ids, sampled.logprobs):
+            row = 0
+            for seq in seqs:
+                width = 1 + len(seq.draft_token_ids)
                 req = seq.request
                 touched[req.request_id] = req
                 if seq.params.max_tokens == 0:  # prompt-only request (e.g. echo + prompt logprobs)
                     self._finish(seq, "length")
-                    continue
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if seq.grammar is not None and not self._grammar_accepts(seq, token):
-                    continue
-                self._append(seq, token, lp)
+                elif width > 1:
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    self._verify(seq, row, rows[row:row + width], sampled, keep, rewinds.get(seq.seq_id))
+                else:
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    token = sampled.token_ids[row]
+                    if seq.grammar is None or self._grammar_accepts(seq, token):
+                        self._append(seq, token, sampled.logprobs[row])
+                row += width
         outputs = []
         for req in touched.values():
             outputs.append(self._output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    # -- speculative decoding: verifying a draft (fw.speculative, docs/speculative.md) -------
+
+    def _verify_inputs(self, seqs: list[Sequence], logits: torch.Tensor, grammar_mask) -> tuple[list[int], dict]:
+        """Before sampling a step with drafts: the rows whose processed logits a sampled draft (one with
+        probabilities) is checked against, and for each seeded sequence with a deterministic draft what
+        rewinding its generator needs (its state, its rows' logits and grammar mask as they are now)."""
+        keep: list[int] = []
+        rewinds: dict[int, tuple] = {}
+        row = 0
+        for seq in seqs:
+            width = 1 + len(seq.draft_token_ids)
+            if width > 1 and seq.draft_probs is not None:
+                keep.extend(range(row, row + width))
+            elif width > 1 and seq.generator is not None:
+                mask = None
+                if grammar_mask is not None and seq.grammar is not None:
+                    bitmask, mask_rows = grammar_mask
+                    at = mask_rows.index(row)
+                    mask = (bitmask[at:at + width].clone(), list(range(width)))
+                rewinds[seq.seq_id] = (seq.generator.get_state(), logits[row:row + width].clone(), mask)
+            row += width
+        return keep, rewinds
+
+    def _verify(self, seq: Sequence, row: int, rows: list, sampled, keep: list[int], rewind) -> None:
+        """Keep what the rejection rule accepts of seq's draft, emit it and the token after it, and give
+        back the KV pages of the rejected positions."""
+        draft = seq.draft_token_ids
+        k = len(draft)
+        tokens = sampled.token_ids[row:row + k + 1]
+        logprobs = sampled.logprobs[row:row + k + 1]
+        if seq.draft_probs is not None:  # a sampled draft: min(1, p/q), on the fully processed p
+            at = keep.index(row)
+            processed = sampled.processed[at:at + k + 1]
+            if seq.params.greedy:
+                p = torch.nn.functional.one_hot(processed.argmax(dim=-1), processed.shape[-1]).float()
+            else:
+                p = processed.softmax(dim=-1)
+            emitted, accepted = verify(p, draft, seq.draft_probs[:k].to(p.device), seq.generator)
+            if seq.logprobs is not None:  # the pipeline's entries name its own draw; rebuild where it differs
+                logprobs = [lp if t == tokens[j] else token_logprobs(sampled.raw_logprobs[row + j], t,
+                                                                     seq.params.logprobs)
+                            for j, (t, lp) in enumerate(zip(emitted, logprobs))]
+        else:  # a deterministic draft: the target's own draw at each position decides (rejection.py)
+            accepted = accepted_prefix(tokens, draft)
+            emitted = tokens[:accepted + 1]
+            if rewind is not None and accepted < k:
+                self._rewind_generator(seq, rows[:accepted + 1], rewind)
+        self.speculator.record(seq, k, accepted)
+        seq.draft_token_ids, seq.draft_probs = [], None
+        # KV holds the last token and every draft token; the accepted ones are valid
+        seq.num_computed_tokens = seq.num_tokens + accepted
+        for token, lp in zip(emitted, logprobs):
+            if seq.grammar is not None and not self._grammar_accepts(seq, token):
+                return
+            self._append(seq, token, lp)
+            if seq.finished:  # EOS, a stop string or max_tokens cut the accepted run
+                return
+        self.blocks.truncate(seq, seq.num_computed_tokens)
+        self.blocks.commit_full_blocks(seq)
+
+    def _rewind_generator(self, seq: Sequence, rows: list, rewind) -> None:
+        """A seeded sequence drew random numbers at every draft position, the rejected ones too. Draw
+        again from the state before the step over just the positions whose tokens it emits, so it has
+        drawn what a step without speculation would have: its output then does not depend on whether
+        its steps speculated."""
+        state, logits, mask = rewind
+        n = len(rows)
+        seq.generator.set_state(state)
+        if mask is not None:
+            mask = (mask[0][:n], mask[1][:n])
+        batch = SamplingBatch(rows, self.vocab_size, self.loaded.device, self.loaded.eos_token_ids)
+        self.sampler.sample(logits[:n], batch, mask)
 
     def _add_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         req = seq.request
@@ -304,6 +409,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def _decode_logprob_tokens(self, entries) -> None:
         for entry in entries:
@@ -332,6 +439,11 @@ class LLMEngine:
         metrics = {"arrival_time": req.arrival_time}
         if req.first_token_time is not None:
             metrics["first_token_time"] = req.first_token_time
+        states = [s.speculation for s in req.seqs if s.speculation is not None]
+        if states:  # speculative decoding: this request's drafts
+            metrics["spec_num_drafts"] = sum(st.num_drafts for st in states)
+            metrics["spec_num_draft_tokens"] = sum(st.num_draft_tokens for st in states)
+            metrics["spec_num_accepted_tokens"] = sum(st.num_accepted_tokens for st in states)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
             req.prompt_logprobs, max(s.num_cached_tokens for s in req.seqs), metrics,
@@ -350,4 +462,39 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             # graphs torch.compile built (or loaded) for this engine: constant after warm-up (fw.compile)
             "num_compilations": self.runner.compiled.num_compiles if self.runner.compiled is not None else 0,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
+
+
+class _DraftPosition:
+    """Sequence `seq` as it would stand after accepting its first `j` draft tokens: what the sampler
+    stages see at the verify row of draft position j (penalties, min_tokens and the like count the
+    draft tokens before it). Other attributes are the sequence's."""
+
+    def __init__(self, seq: Sequence, j: int):
+        self.seq = seq
+        self.token_ids = seq.token_ids + seq.draft_token_ids[:j]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.seq.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.seq.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def __getattr__(self, name: str):
+        return getattr(self.seq, name)
+
+
+def _sampling_rows(seqs: list[Sequence]) -> list:
+    """The sampled rows of a step with drafts: each sequence, then a view of it after each draft token."""
+    rows: list = []
+    for seq in seqs:
+        rows.append(seq)
+        rows.extend(_DraftPosition(seq, j) for j in range(1, len(seq.draft_token_ids) + 1))
+    return rows

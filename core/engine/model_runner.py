@@ -18,7 +18,9 @@ from fw.layers.attention import Attention, AttentionMetadata
 @dataclass
 class StepLogits:
     sample_seqs: list[Sequence]  # sequences whose step ends at their last token
-    sample_logits: torch.Tensor | None  # [len(sample_seqs), V] float32
+    # [rows, V] float32: one row per sample sequence, in order; 1 + len(draft) rows for one with a draft
+    # (speculative decoding: the logits after its last token and after each draft token)
+    sample_logits: torch.Tensor | None
     # (sequence, first prompt position predicted, logits [k, V]) for prompt logprobs
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]]
 
@@ -94,14 +96,15 @@ class ModelRunner:
         sample_seqs, sample_rows = [], []
         for seq, n in zip(seqs, num_new):
             c = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[c:c + n])
+            draft = seq.draft_token_ids  # a verify pass: the last token, then the draft (scheduled whole)
+            input_ids.extend(seq.token_ids[c:c + n] if not draft else seq.token_ids[c:] + draft)
             positions.extend(range(c, c + n))
             table = seq.block_table
             slots.extend(table[pos // p] * p + pos % p for pos in range(c, c + n))
             seq_lens.append(c + n)
-            if c + n == seq.num_tokens:  # the step ends at its last token: sample its next one
+            if c + n == seq.num_tokens + len(draft):  # the step ends at its last token: sample its next one
                 sample_seqs.append(seq)
-                sample_rows.append(starts[-1] + n - 1)
+                sample_rows.extend(range(starts[-1] + n - 1 - len(draft), starts[-1] + n))
             starts.append(starts[-1] + n)
         max_blocks = max(len(s.block_table) for s in seqs)
         tables: list[int] = []  # [B, max_blocks] row-major, padded with page 0

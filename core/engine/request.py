@@ -13,6 +13,7 @@ from fw.engine.detokenizer import IncrementalDetokenizer
 from fw.engine.outputs import Logprob
 from fw.grammar.service import SequenceGrammar
 from fw.sampling.params import SamplingParams
+from fw.speculative.service import SpeculationState
 
 
 class SeqStatus(enum.Enum):
@@ -50,6 +51,10 @@ class Sequence:
     sent_token_len: int = 0
     num_preemptions: int = 0
     grammar: SequenceGrammar | None = None  # structured output: this sequence's matcher
+    # speculative decoding (fw.speculative): this step's draft, verified in the step, and the sequence's counters
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(draft), V] from a proposer that samples its drafts
+    speculation: SpeculationState | None = None
 
     @property
     def num_tokens(self) -> int:

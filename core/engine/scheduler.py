@@ -3,8 +3,11 @@
 Every sequence has `num_computed_tokens` of `num_tokens`; a step gives it up to
 `prefill_chunk_size` more within the step's token budget, so decode (one
 token), chunked prefill and recompute after preemption are the same rule.
-Running sequences are served first, oldest first; when pages run out the
-newest running sequence is preempted (pages freed, recomputed later).
+A sequence with a draft (speculative decoding) counts its draft tokens among
+its tokens to compute; the draft is cut to fit the budget, and dropped before
+anything is preempted for its pages. Running sequences are served first,
+oldest first; when pages run out the newest running sequence is preempted
+(pages freed, recomputed later).
 """
 
 from __future__ import annotations
@@ -49,7 +52,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, self.chunk_size, budget)
+            n = min(seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens, self.chunk_size, budget)
+            if seq.draft_token_ids:
+                del seq.draft_token_ids[n - 1:]
+                if not self.blocks.allocate(seq, n):
+                    seq.draft_token_ids.clear()  # a plain decode rather than a preemption
+                    n = 1
             while not self.blocks.allocate(seq, n):
                 victim = running.pop()  # newest first
                 self._preempt(victim, batch)
@@ -88,6 +96,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
+        seq.draft_token_ids.clear()
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1

@@ -139,6 +139,46 @@ class GrammarService:
             fill_bitmask_batch(compiler, [grammars[rows[r]].matcher for r in backend_rows], bitmask, backend_rows)
         return bitmask, rows
 
+    def fill_bitmask_with_drafts(self, grammars: Sequence[SequenceGrammar | None],
+                                 drafts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]] | None:
+        """As `fill_bitmask` for a step that verifies drafts (speculative decoding): entry i has
+        1 + len(drafts[i]) sampled rows, the position after its last token and after each draft token.
+        A constrained entry's matcher is advanced through its draft to fill those rows, then rolled
+        back. Past a draft token the grammar refuses, the rows repeat the last one: that token's
+        probability is 0, so it is rejected and the later rows are never used."""
+        widths = [1 + len(d) for d in drafts]
+        starts = [0]
+        for w in widths:
+            starts.append(starts[-1] + w)
+        firsts = [None] * starts[-1]
+        for i, g in enumerate(grammars):
+            firsts[starts[i]] = g
+        mask = self.fill_bitmask(firsts)  # every first row, batched per backend
+        if mask is None:
+            return None
+        first_bitmask, first_rows = mask
+        rows = [starts[i] + j for i, g in enumerate(grammars) if g is not None for j in range(widths[i])]
+        if len(rows) == len(first_rows):
+            return mask
+        bitmask = torch.full((len(rows), first_bitmask.shape[1]), -1, dtype=first_bitmask.dtype,
+                             device=first_bitmask.device)
+        at = {row: r for r, row in enumerate(rows)}
+        bitmask[[at[row] for row in first_rows]] = first_bitmask
+        for i, g in enumerate(grammars):
+            if g is None or not drafts[i]:
+                continue
+            base = at[starts[i]]
+            accepted = 0
+            for j, token in enumerate(drafts[i], start=1):
+                if accepted == j - 1 and g.matcher.accept_token(int(token)):
+                    accepted += 1
+                    g.matcher.fill_bitmask(bitmask, base + j)
+                else:
+                    bitmask[base + j] = bitmask[base + j - 1]
+            if accepted:
+                g.matcher.rollback(accepted)
+        return bitmask, rows
+
     def _rows(self, n: int) -> torch.Tensor:
         """A reused [n, words] buffer reset to all-allowed."""
         buf = self._bitmask

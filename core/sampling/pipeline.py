@@ -28,6 +28,10 @@ from fw.sampling.params import SamplerRequest, SamplingParams
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]  # per row, when the row asked for them
+    # [rows, V] log-softmax of the model's distribution (after the grammar mask), when a row asked for logprobs
+    raw_logprobs: torch.Tensor | None = None
+    # [len(keep_rows), V] the `keep_rows` rows' logits after every stage, as the final choice saw them
+    processed: torch.Tensor | None = None
 
 
 class SamplerPipeline:
@@ -51,9 +55,11 @@ class SamplerPipeline:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch,
-               grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> SampleResult:
+               grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
+               keep_rows: list[int] | None = None) -> SampleResult:
         """`grammar_mask`: (bitmask, rows) from `GrammarService.fill_bitmask`, applied to those rows
-        before every stage."""
+        before every stage. `keep_rows`: rows whose fully processed logits to return too (speculative
+        decoding verifies sampled drafts against them)."""
         # Inference mode like the forward pass that made `logits`: stages may edit them in place,
         # which torch forbids on inference tensors outside it.
         masked_rows = masked = None
@@ -71,6 +77,7 @@ class SamplerPipeline:
                 logits = stage.apply(logits, batch)
         if masked_rows is not None:
             _revive_dead_rows(logits, masked_rows, masked, batch.eos_token_ids)
+        processed = logits[torch.tensor(keep_rows, device=logits.device)] if keep_rows else None  # a copy
         tokens = self.chooser.choose(logits, batch)
         token_list = tokens.tolist()
         logprobs: list[dict[int, Logprob] | None] = [None] * len(batch)
@@ -78,7 +85,7 @@ class SamplerPipeline:
             for i, p in enumerate(batch.params):
                 if p.logprobs is not None:
                     logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], p.logprobs)
-        return SampleResult(token_list, logprobs)
+        return SampleResult(token_list, logprobs, raw_logprobs, processed)
 
     # -- per-request stages ----------------------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""`--speculative-config`: the JSON object of vLLM's flag, read once into a `SpeculativeConfig`.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+The keys fw reads itself are below (`CORE_KEYS`); every other key belongs to the method's proposer plugin
+and is checked against its `ProposerSpec.parameters` schema when the engine starts. Import-light (no torch):
+`EngineConfig` checks the structure here when it is built.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fw.errors import ConfigError
+
+FLAG = "--speculative-config"
+MAX_SPECULATIVE_TOKENS = 16
+
+# key -> what it means (for error messages and docs/speculative.md)
+CORE_KEYS = {
+    "method": "the proposer plugin by name (ngram, or one a plugin registers)",
+    "num_speculative_tokens": f"draft tokens per step, k (1 to {MAX_SPECULATIVE_TOKENS})",
+    "disable_by_batch_size": "no speculation in a step whose running batch has at least this many sequences",
+    "min_acceptance_rate": "a sequence whose recent drafts were accepted less often than this pauses speculating",
+}
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+DEFAULT_MIN_ACCEPTANCE_RATE = 0.2
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 4
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
+    args: dict[str, Any] = field(default_factory=dict, hash=False)  # the method's own keys
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> "SpeculativeConfig | None":
+        """The flag's value (JSON text or an already parsed mapping) -> a checked config; None when unset."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ConfigError(f"{FLAG}: not JSON ({exc}); write e.g. "
+                                  '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{FLAG}: expected a JSON object, got {type(value).__name__}")
+        raw = dict(value)
+        method = raw.pop("method", None)
+        if not isinstance(method, str) or not method:
+            raise ConfigError(f'{FLAG}: "method" is required: the proposer by name, e.g. "ngram" '
+                              "(`fw plugins list --kind proposer` lists them)")
+        k = raw.pop("num_speculative_tokens", 4)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"{FLAG}: num_speculative_tokens must be an integer from 1 to "
+                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        batch = raw.pop("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        if batch is None:
+            batch = 1 << 30  # never
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ConfigError(f"{FLAG}: disable_by_batch_size must be a positive integer (or null: never), "
+                              f"got {batch!r}")
+        rate = raw.pop("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE)
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            raise ConfigError(f"{FLAG}: min_acceptance_rate must be a number from 0 to 1, got {rate!r}")
+        return cls(method, k, batch, float(rate), raw)
+
+
+__all__ = ["CORE_KEYS", "FLAG", "MAX_SPECULATIVE_TOKENS", "SpeculativeConfig"]
