@@ -55,11 +55,12 @@ def installed_or_why(name: str) -> tuple[Path | None, str]:
 
 def test_this_install_built_every_library_for_this_torch_and_cpu() -> None:
     """The test environment was set up by scripts/bootstrap.sh (pip install --no-build-isolation): each library
-    is installed, built with its flags for this torch and CPU. A source edited since the install is allowed
-    (a kernel being worked on falls back to the run-time build)."""
+    is installed, built with its flags for this torch. A source edited since the install (a kernel being worked
+    on) and a venv carried to a machine with another CPU are allowed: both fall back to the run-time build."""
+    allowed = ("its source changed since it was installed", "it was built on a CPU with other features")
     for name in LOADED:
         library, why = installed_or_why(name)
-        assert library is not None or why.endswith("its source changed since it was installed"), (
+        assert library is not None or why.endswith(allowed), (
             f"{name}: {why}. Run ./scripts/bootstrap.sh (pip install --no-build-isolation -e .) to build it")
 
 
@@ -67,7 +68,8 @@ def test_a_start_loads_the_installed_libraries_and_builds_nothing(tmp_path) -> N
     """In a fresh process on an empty fw cache, each library's own module loads it: from the install, with no
     log line and no build folder. (A library whose source was edited since the install is left out.)"""
     current = [name for name in LOADED if installed_or_why(name)[0] is not None]
-    assert "cpu_ops" in current and "cpu_paged" in current, {n: installed_or_why(n)[1] for n in LOADED}
+    if not {"cpu_ops", "cpu_paged"} <= set(current):  # test_this_install_built_every_library... says why
+        pytest.skip(f"the installed libraries are not current here: {[installed_or_why(n)[1] for n in LOADED]}")
     script = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="LOG %(levelname)s %(name)s %(message)s")
