@@ -493,3 +493,40 @@ def test_low_acceptance_pauses_a_sequence(gqa_dir, references):
     assert stats["spec_num_accepted_tokens"] == 0 and stats["spec_num_pauses"] >= 2
     # paused for 4, then 8, then 16 steps: far fewer drafts than decode steps
     assert stats["spec_num_drafts"] < 20
+
+
+# -- the fronts: the server's opt-out, /metrics, fw bench's copy workload ---------------------------------------
+
+
+def test_the_server_maps_the_opt_out_and_exposes_the_counters(fresh_llm):
+    from prometheus_client import generate_latest
+
+    from fw.server.convert import sampling_params
+    from fw.server.metrics import ServerMetrics
+    from fw.server.protocol import CompletionRequest
+
+    assert sampling_params(CompletionRequest(prompt="x"), 4, None).speculative is True
+    assert sampling_params(CompletionRequest(prompt="x", speculative=False), 4, None).speculative is False
+    llm = fresh_llm(speculative_config=NGRAM)
+    llm.generate({"prompt_token_ids": [160] * 12}, greedy(16))
+    stats = llm.engine.stats()
+    text = generate_latest(ServerMetrics("m", "sdpa", lambda: stats).registry).decode()
+    assert f"fw_spec_decode_num_drafts_total{{attention_backend=\"sdpa\",model_name=\"m\"}} {stats['spec_num_drafts']}.0" \
+        in text
+    assert "fw_spec_decode_num_accepted_tokens_total" in text and "fw_spec_decode_mean_acceptance_length" in text
+    assert 'position="3"' in text
+
+
+def test_copy_workload_prompts_repeat_a_passage(tokenizer):
+    from fw.bench.offline import make_prompts, speculation
+
+    (a, b) = make_prompts(tokenizer, [60, 10], seed=1, workload="copy")
+    assert len(a) == 60 and len(b) == 10
+    period = len(make_prompts(tokenizer, [20], seed=1)[0])  # the passage: a third of 60
+    assert period == 20 and a[:20] == a[20:40] == a[40:60]
+    assert make_prompts(tokenizer, [60], seed=1, workload="copy") == [a]
+    before = {"spec_num_drafts": 1, "spec_num_draft_tokens": 4, "spec_num_accepted_tokens": 2}
+    after = {"spec_num_drafts": 3, "spec_num_draft_tokens": 12, "spec_num_accepted_tokens": 8}
+    assert speculation(before, after) == {"num_drafts": 2, "num_draft_tokens": 8, "num_accepted_tokens": 6,
+                                          "acceptance_rate": 0.75, "mean_acceptance_length": 4.0}
+    assert speculation({}, {"num_running": 0}) is None

@@ -41,9 +41,38 @@ def exact_length_ids(tokenizer, length: int, rng: random.Random) -> list[int]:
     return ids[:length]
 
 
-def make_prompts(tokenizer, lengths: Sequence[int], seed: int) -> list[list[int]]:
+# --workload: random words (the default), or `copy`: prompts a model continues by repeating a passage, the
+# workload speculative decoding's n-gram proposer is for (docs/speculative.md).
+WORKLOADS = ("random", "copy")
+
+
+def copy_ids(tokenizer, length: int, rng: random.Random) -> list[int]:
+    """A passage of random words about a third of `length`, written out again and again, cut at exactly
+    `length` tokens (mid-passage): the continuation repeats the passage."""
+    passage = exact_length_ids(tokenizer, max(1, min(length, max(16, length // 3))), rng)
+    return (passage * (length // len(passage) + 1))[:length]
+
+
+def make_prompts(tokenizer, lengths: Sequence[int], seed: int, workload: str = "random") -> list[list[int]]:
+    if workload not in WORKLOADS:
+        raise BenchError(f"--workload must be one of {', '.join(WORKLOADS)}; got {workload!r}")
     rng = random.Random(seed)
-    return [exact_length_ids(tokenizer, n, rng) for n in lengths]
+    make = copy_ids if workload == "copy" else exact_length_ids
+    return [make(tokenizer, n, rng) for n in lengths]
+
+
+SPEC_COUNTERS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+
+
+def speculation(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
+    """What speculative decoding did between two `LLMEngine.stats()`: drafts, draft and accepted tokens,
+    the acceptance rate and the mean acceptance length (tokens per verify pass); None without it."""
+    if "spec_num_drafts" not in after:
+        return None
+    d = {key[5:]: after[key] - before.get(key, 0) for key in SPEC_COUNTERS}
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return d
 
 
 def throughput_lengths(input_len: int, input_len_range: float, num_prompts: int, seed: int) -> list[int]:
@@ -210,26 +239,32 @@ def warm_up(llm, baseline, prompts: list[list[int]], batch_size: int) -> None:
 
 def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_iters_warmup: int,
                   baseline: str | None = "none", llama_cpp_bin: str | None = None, seed: int = 0,
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, workload: str = "random") -> dict[str, Any]:
     """One request at a time, `num_iters_warmup + num_iters` times, each with its own prompt (a repeated
     prompt would be served from fw's prefix cache), fw and the baseline taking turns iteration by
     iteration (the machine's speed drifts); medians over the measured iterations."""
     if num_iters < 1 or num_iters_warmup < 0 or output_len < 1:
         raise BenchError("--num-iters and --output-len must be at least 1, --num-iters-warmup at least 0")
-    prompts = make_prompts(llm.tokenizer, [input_len] * (num_iters_warmup + num_iters), seed)
+    prompts = make_prompts(llm.tokenizer, [input_len] * (num_iters_warmup + num_iters), seed, workload)
     base = make_baseline(baseline, llm, llama_cpp_bin, progress)
     fw_runs, base_runs = [], []
+    stats = None
     with progress_bar(len(prompts), "fw" if base is None else f"fw and {base.name}", progress) as bar:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            if i == num_iters_warmup:
+                stats = llm.engine.stats()
             fw_runs.append(fw_latency_iteration(llm, prompt, output_len))
             if base is not None:
                 base_runs.append(base.latency_iteration(prompt, output_len))
             bar.update(1)
     fw = latency_summary(fw_runs[num_iters_warmup:])
+    spec = speculation(stats, llm.engine.stats())
+    if spec is not None:
+        fw["speculative"] = spec
     base_summary = latency_summary(base_runs[num_iters_warmup:]) if base is not None else None
     keys = [k for k, _ in LATENCY_METRICS]
     return {"benchmark": "latency", **model_info(llm),
-            "workload": {"input_len": input_len, "output_len": output_len, "num_iters": num_iters,
+            "workload": {"kind": workload, "input_len": input_len, "output_len": output_len, "num_iters": num_iters,
                          "num_iters_warmup": num_iters_warmup, "seed": seed},
             "environment": environment(llm), "fw": fw, "baseline": base_summary,
             "baseline_info": base.describe() if base is not None else None,
@@ -238,7 +273,8 @@ def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_i
 
 def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: float, output_len: int,
                      baseline: str | None = "none", llama_cpp_bin: str | None = None, baseline_batch_size: int = 64,
-                     seed: int = 0, num_passes: int = 1, progress: bool = True) -> dict[str, Any]:
+                     seed: int = 0, num_passes: int = 1, progress: bool = True,
+                     workload: str = "random") -> dict[str, Any]:
     """All prompts to fw at once; the transformers baseline in static batches of `baseline_batch_size`,
     llama.cpp's batched bench with all sequences at once. With several passes, fw and the baseline take
     turns (fw, baseline, fw, ...), each pass on new prompts of the same lengths (repeats would hit fw's
@@ -248,11 +284,12 @@ def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: 
     lengths = throughput_lengths(input_len, input_len_range, num_prompts, seed)
     input_tokens = sum(lengths)
     base = make_baseline(baseline, llm, llama_cpp_bin, progress)
-    warm_up(llm, base, make_prompts(llm.tokenizer, lengths, seed + 1), baseline_batch_size)
+    warm_up(llm, base, make_prompts(llm.tokenizer, lengths, seed + 1, workload), baseline_batch_size)
     fw_passes: list[dict[str, Any]] = []
     base_passes: list[dict[str, Any]] = []
+    stats = llm.engine.stats()
     for i in range(num_passes):
-        prompts = make_prompts(llm.tokenizer, lengths, seed if i == 0 else seed + 1 + i)
+        prompts = make_prompts(llm.tokenizer, lengths, seed if i == 0 else seed + 1 + i, workload)
         if progress:
             print(f"fw: {num_prompts} prompts x {output_len} tokens (pass {i + 1} of {num_passes}) ...",
                   file=sys.stderr)
@@ -262,9 +299,12 @@ def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: 
                 measured = base.throughput(prompts, output_len, baseline_batch_size, bar)
             base_passes.append(throughput_summary(measured, num_prompts, input_tokens))
     fw, base_summary = median_pass(fw_passes), median_pass(base_passes) if base_passes else None
+    spec = speculation(stats, llm.engine.stats())  # over all passes
+    if spec is not None:
+        fw = {**fw, "speculative": spec}
     keys = [k for k, _ in THROUGHPUT_METRICS]
     return {"benchmark": "throughput", **model_info(llm),
-            "workload": {"num_prompts": num_prompts, "input_len": input_len, "input_len_range": input_len_range,
+            "workload": {"kind": workload, "num_prompts": num_prompts, "input_len": input_len, "input_len_range": input_len_range,
                          "min_input_len": min(lengths), "max_input_len": max(lengths), "output_len": output_len,
                          "baseline_batch_size": baseline_batch_size, "seed": seed, "num_passes": num_passes},
             "environment": environment(llm), "fw": fw, "baseline": base_summary,
@@ -291,11 +331,15 @@ def format_table(report: dict[str, Any]) -> str:
     if report["benchmark"] == "latency":
         workload = (f"1 request, {w['input_len']} in / {w['output_len']} out, "
                     f"{w['num_iters']} iterations ({w['num_iters_warmup']} warm-up)")
+        if w.get("kind", "random") != "random":
+            workload += f"; {w['kind']} prompts"
     else:
         workload = (f"{w['num_prompts']} prompts, {w['min_input_len']}-{w['max_input_len']} in / "
                     f"{w['output_len']} out; baseline batch {w['baseline_batch_size']}")
         if w.get("num_passes", 1) > 1:
             workload += f"; median of {w['num_passes']} alternating passes"
+        if w.get("kind", "random") != "random":
+            workload += f"; {w['kind']} prompts"
     lines = ["{:=^{w}}".format(f" Offline {report['benchmark'].title()} Benchmark ", w=width),
              f"Model: {report['model']} ({report['dtype']}, {env['device']}, {env['num_threads']} threads)",
              f"Workload: {workload}",
@@ -312,5 +356,10 @@ def format_table(report: dict[str, Any]) -> str:
     for key, label in metrics:
         lines.append(f"{label:<28}{cell(report['fw'].get(key)):>14}{cell(base.get(key)):>16}"
                      f"{cell(ratio.get(key)):>14}")
+    spec = report["fw"].get("speculative")
+    if spec:
+        lines.append(f"Speculative decoding (fw): {spec['num_drafts']} drafts, {spec['num_accepted_tokens']} of "
+                     f"{spec['num_draft_tokens']} draft tokens accepted ({spec['acceptance_rate']:.0%}), "
+                     f"{spec['mean_acceptance_length']:.2f} tokens per verify pass")
     lines.append("=" * width)
     return "\n".join(lines)

@@ -103,6 +103,9 @@ def _configure_offline(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                         "and print fw/baseline ratios (default none).")
     w.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
                    help="The folder with llama.cpp's llama-bench and llama-batched-bench (--baseline llama.cpp).")
+    w.add_argument("--workload", choices=("random", "copy"), default="random",
+                   help="Prompts: random words (default), or copy: a passage written out again and again, cut "
+                        "mid-passage, so the output repeats it (where speculative decoding's ngram proposer pays).")
     w.add_argument("--contention", type=int, default=0, metavar="N",
                    help="Run N busy neighbour processes (one core each) during the measurement, fw's and the "
                         "baseline's passes alike: the speed on a shared host (default 0).")
@@ -161,7 +164,7 @@ def run_offline(args: argparse.Namespace) -> int:
         raise SystemExit("fw bench: --contention must be 0 or more")
     llm = LLM(**vars(config))
     common = dict(output_len=args.output_len, baseline=args.baseline, llama_cpp_bin=args.llama_cpp_bin,
-                  seed=config.seed, progress=not args.no_progress)
+                  seed=config.seed, progress=not args.no_progress, workload=args.workload)
     with busy_neighbours(args.contention):
         if args.bench_action == "latency":
             report = offline.bench_latency(llm, input_len=args.input_len, num_iters=args.num_iters,

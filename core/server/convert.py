@@ -41,6 +41,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         structured_outputs=structured_outputs(req),
         samplers=req.samplers,
         allowed_token_ids=req.allowed_token_ids,
+        speculative=req.speculative,
     )
 
 

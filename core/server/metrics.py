@@ -36,6 +36,21 @@ class _EngineCollector:
         c = CounterMetricFamily("fw_num_preemptions", "Sequences preempted (recomputed later).", labels=names)
         c.add_metric(values, s["num_preemptions"])
         yield c
+        if "spec_num_drafts" in s:  # --speculative-config (fw.speculative)
+            for key, name, doc in (
+                    ("spec_num_drafts", "fw_spec_decode_num_drafts", "Verify passes of a sequence's draft."),
+                    ("spec_num_draft_tokens", "fw_spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                    ("spec_num_accepted_tokens", "fw_spec_decode_num_accepted_tokens", "Draft tokens accepted.")):
+                c = CounterMetricFamily(name, doc, labels=names)
+                c.add_metric(values, s[key])
+                yield c
+            c = CounterMetricFamily("fw_spec_decode_num_accepted_tokens_per_pos",
+                                    "Drafts whose token at a position was accepted.", labels=[*names, "position"])
+            for position, count in enumerate(s["spec_accepted_per_position"]):
+                c.add_metric([*values, str(position)], count)
+            yield c
+            yield gauge("fw_spec_decode_mean_acceptance_length", "Tokens emitted per verify pass (1 + accepted "
+                        "/ drafts).", s["spec_mean_acceptance_length"])
         if "num_compilations" in s:  # --enable-torch-compile (fw.compile): unchanged after warm-up
             c = CounterMetricFamily("fw_compilations", "Graphs torch.compile built or loaded for the model step.",
                                     labels=names)

@@ -103,6 +103,8 @@ class SamplingFields(_Request):
     # per-request sampler stages by name, [{"name": "dry", "multiplier": 0.8}, "xtc"], and vLLM's allowed_token_ids
     samplers: list[dict[str, Any] | str] | None = None
     allowed_token_ids: list[int] | None = None
+    # speculative decoding (--speculative-config): false opts this request out
+    speculative: bool = True
 
 
 class CompletionRequest(SamplingFields):
