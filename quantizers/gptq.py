@@ -24,6 +24,7 @@ permutations need not agree. The LM head stays in float unless the config says
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -169,6 +170,14 @@ class GPTQLinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_int is not None:
             return packed_int.layer_forward(layer, x)
+        flat = x.reshape(-1, x.shape[-1])
+        if (x.is_cuda and self.config.bits == 4 and layer.gptq_contiguous and flat.shape[0] <= W4A16_MAX_ROWS
+                and _triton_available()):
+            from fw.quantizers.gptq_triton import w4a16_matmul  # imports triton: on the first CUDA call
+
+            out = w4a16_matmul(flat, layer.qweight, layer.qzeros, layer.scales, layer.gptq_group_size,
+                               self.config.zero_offset).view(*x.shape[:-1], layer.output_size)
+            return out if layer.bias is None else out + layer.bias.to(out.dtype)
         pack = 32 // self.config.bits
         out = x.new_empty(*x.shape[:-1], layer.output_size)
         if layer.gptq_contiguous or layer.gptq_shared_g_idx:
@@ -189,6 +198,15 @@ class GPTQLinearMethod(LinearMethod):
         if layer.bias is not None:
             out += layer.bias.to(out.dtype)
         return out
+
+
+W4A16_MAX_ROWS = 256  # rows up to which CUDA 4-bit layers run gptq_triton (measured 3.9x the dequantize-then-
+# GEMM path at 256 rows on an H200; larger inputs, not measured, keep that path)
+
+
+def _triton_available() -> bool:
+    """CUDA 4-bit layers with contiguous groups run gptq_triton's W4A16 kernel where triton is installed."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @hookimpl
