@@ -488,6 +488,8 @@ class _DraftPosition:
         return len(self.token_ids)
 
     def __getattr__(self, name: str):
+        if name == "seq":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.seq, name)
 
 
