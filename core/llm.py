@@ -5,6 +5,9 @@
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0))
     print(outs[0].outputs[0].text)
 
+    embedder = LLM(model="path/to/all-MiniLM-L6-v2")     # an encoder, or a decoder with task="embed"
+    vectors = [o.outputs.embedding for o in embedder.embed(["Hello", "Hi there"])]
+
 Keyword options are the engine flags' names (`kv_cache_page_size=16`, ...).
 """
 
@@ -13,9 +16,10 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 from fw.config import resolve_config
-from fw.engine.engine import LLMEngine
-from fw.engine.outputs import RequestOutput
+from fw.engine.factory import create_engine
+from fw.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from fw.plugins.manager import PluginManager
+from fw.pooling.params import PoolingParams
 from fw.sampling.params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -25,7 +29,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, plugins: PluginManager | None = None, **options: Any):
         # The library takes options as arguments only; FW_* variables are for the CLI and server.
         self.config = resolve_config(environ={}, model=model, **options)
-        self.engine = LLMEngine(self.config, plugins)
+        # LLMEngine for causal LMs; fw.pooling's EncoderEngine for encoder-only models (embeddings)
+        self.engine = create_engine(self.config, plugins)
 
     @property
     def tokenizer(self):
@@ -59,6 +64,36 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, a list of token ids, or {"prompt": ...} /
+        {"prompt_token_ids": [...]}), in prompt order: `outputs.embedding` is a list of floats.
+
+        The model must embed: an encoder-only model, or a decoder loaded with task="embed"."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        ids: dict[int, list[int]] = {}
+        if texts:  # one batched call: the Rust tokenizer splits a list on all cores
+            encoded = self.tokenizer([prompts[i] for i in texts]).input_ids
+            ids = dict(zip(texts, encoded))
+        request_ids: list[str] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                if i in ids:
+                    request_ids.append(self.engine.add_request(prompt=prompt, prompt_token_ids=ids[i],
+                                                               params=pooling_params or PoolingParams()).request_id)
+                else:
+                    request_ids.append(self._add(prompt, pooling_params or PoolingParams()))
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids)
 
     def chat(
         self,
@@ -96,7 +131,7 @@ class LLM:
             if not done:
                 self.engine.abort_request(request_id)
 
-    def _add(self, prompt: Prompt, params: SamplingParams, delta: bool = False) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams | PoolingParams, delta: bool = False) -> str:
         if isinstance(prompt, str):
             return self.engine.add_request(prompt=prompt, params=params, delta=delta).request_id
         if isinstance(prompt, dict):
@@ -104,12 +139,13 @@ class LLM:
                                            params=params, delta=delta).request_id
         return self.engine.add_request(prompt_token_ids=list(prompt), params=params, delta=delta).request_id
 
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str]) -> list:
         pending = set(request_ids)
         final: dict[str, RequestOutput] = {}
         while pending:
             outputs = self.engine.step()
-            if not outputs and not self.engine.scheduler.has_work():
+            # the encoder engine has no scheduler: its own has_work says whether anything waits
+            if not outputs and not getattr(self.engine, "scheduler", self.engine).has_work():
                 raise RuntimeError("engine has no work but requests are unfinished")  # a bug, never expected
             for out in outputs:
                 if out.finished and out.request_id in pending:

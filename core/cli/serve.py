@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from fw.default_model import default_model
-    from fw.engine.engine import LLMEngine
+    from fw.engine.factory import create_engine
     from fw.server.app import build_app
     from fw.server.async_engine import AsyncEngine
     from fw.server.metrics import ServerMetrics
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     # A mistyped --tool-call-parser fails now, not at the first tool request after a model load.
     check_tool_parser_flag(get_plugin_manager().registry("tool_parser"), engine_config.tool_call_parser)
     print(f"fw: loading {engine_config.model} ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(engine_config)
+    engine = create_engine(engine_config)  # LLMEngine, or fw.pooling's EncoderEngine for an encoder
     names = served_names(server_config, model_arg, engine.loaded.source.path)
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(names[0], engine.loaded.attention.chosen.name, lambda: async_engine.stats,
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=grace,
                             access_log=server_config.log_requests)
     server = uvicorn.Server(config)
-    _announce_when_ready(server, server_config, names[0])
+    _announce_when_ready(server, server_config, names[0], getattr(engine, "pooling", None) is not None)
     _end_streams_before_the_deadline(server, state, grace)
     _graceful_sigterm_exits_zero()
     server.run(sockets=[sock])
@@ -109,7 +109,7 @@ def _graceful_sigterm_exits_zero() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
 
 
-def _announce_when_ready(server, config, name: str) -> None:
+def _announce_when_ready(server, config, name: str, embeds: bool = False) -> None:
     """Print where to reach the server, with a ready-to-paste curl line, once it listens. The line
     sets max_tokens and temperature 0: at OpenAI's default temperature a small model may ramble to
     the context limit. With --api-key the line reads the key from $FW_API_KEY: stdout is often a
@@ -124,10 +124,16 @@ def _announce_when_ready(server, config, name: str) -> None:
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
             auth = ' -H "Authorization: Bearer $FW_API_KEY"' if config.api_key else ""
             key_note = " (set FW_API_KEY to the server's API key)" if config.api_key else ""
+            if embeds:  # an embedding model (--task embed): the curl line embeds
+                route = "embeddings"
+                body = f"{{\"model\": \"{name}\", \"input\": [\"What is the capital of France?\"]}}"
+            else:
+                route, body = "chat/completions", (
+                    f"{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                    f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}")
             print(f"fw: serving {name} at http://{host}:{port}/v1 (OpenAI API){key_note}\n"
-                  f"curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-                  f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-                  f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
+                  f"curl http://{host}:{port}/v1/{route} -H 'Content-Type: application/json'{auth} "
+                  f"-d '{body}'", flush=True)
 
     server.startup = startup
 

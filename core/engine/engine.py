@@ -19,7 +19,7 @@ from fw.engine.block_manager import BlockManager
 from fw.engine.cpu_runtime import release_load_memory, tune_malloc
 from fw.engine.detokenizer import IncrementalDetokenizer
 from fw.engine.model_runner import ModelRunner
-from fw.engine.outputs import CompletionOutput, RequestOutput
+from fw.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from fw.engine.request import Request, Sequence
 from fw.engine.scheduler import Scheduler
 from fw.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -27,6 +27,9 @@ from fw.grammar.service import GrammarService, SequenceGrammar
 from fw.grammar.tokenizer import GrammarTokenizer
 from fw.model_loader.loader import load_model, resolve_device
 from fw.plugins.manager import PluginManager, get_plugin_manager
+from fw.pooling.config import READS_EVERY_POSITION, engine_pooling
+from fw.pooling.params import PoolingParams
+from fw.pooling.pooler import PoolingState, finish
 from fw.sampling.batch import SamplingBatch
 from fw.sampling.params import SamplingParams
 from fw.sampling.pipeline import SamplerPipeline, token_logprobs
@@ -37,6 +40,9 @@ from fw.speculative.service import Speculator
 from fw.warm import startup
 
 logger = logging.getLogger("fw.engine")
+
+# An embedding request's sequence computes its prompt and stops: no output token, no speculation.
+_PREFILL_ONLY = SamplingParams(max_tokens=0, speculative=False)
 
 
 class LLMEngine:
@@ -70,10 +76,14 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_length = loaded.max_length
         self.vocab_size = loaded.hf_config.vocab_size
+        # --task embed: prompts' hidden states pooled into embeddings (fw.pooling). A pooling that reads every
+        # prompt position turns prefix caching off: a cache hit skips computing the positions it covers.
+        self.pooling = engine_pooling(config, loaded)
+        caching = config.enable_prefix_caching and not (self.pooling and self.pooling.method in READS_EVERY_POSITION)
         page = config.kv_cache_page_size
         with startup.phase(startup.ALLOCATE_KV_CACHE):
             num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(page)
-            self.blocks = BlockManager(num_blocks, page, config.enable_prefix_caching)
+            self.blocks = BlockManager(num_blocks, page, caching)
             self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, page,
                                       loaded.dtype, loaded.device)
         if loaded.device.type == "cpu":
@@ -136,6 +146,8 @@ class LLMEngine:
         params: SamplingParams | None = None,
         delta: bool = False,
     ) -> Request:
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            return self._add_embedding_request(request_id, prompt, prompt_token_ids, params)
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
@@ -170,6 +182,33 @@ class LLMEngine:
                 seq.logprobs = []
             req.seqs.append(seq)
             self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return req
+
+    def _add_embedding_request(self, request_id: str | None, prompt: str | None, prompt_token_ids: list[int] | None,
+                               params: PoolingParams | None) -> Request:
+        """An embedding request (--task embed): one sequence whose prompt is scheduled, chunked and batched as
+        any other, its hidden states pooled as they come (fw.pooling) and nothing sampled."""
+        name = self.loaded.source.name
+        if self.pooling is None:
+            raise InvalidRequestError(f"{name} is served for text generation; start it with --task embed to serve "
+                                      f"embeddings from it")
+        if params is not None and not isinstance(params, PoolingParams):
+            raise InvalidRequestError(f"{name} is served for embeddings (--task embed), not text generation")
+        params = params or PoolingParams()
+        request_id = request_id or self.new_request_id()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("give an input text or token ids", param="input")
+            prompt_token_ids = self.tokenize(prompt)
+        ids = [int(t) for t in prompt_token_ids]
+        self._validate_prompt(ids, _PREFILL_ONLY)
+        self.pooling.check_dimensions(params.dimensions, name)
+        req = Request(request_id, prompt, ids, _PREFILL_ONLY, pooling=PoolingState(self.pooling.method, params))
+        req.seqs.append(Sequence(req, 0, _PREFILL_ONLY, list(ids), len(ids), None))
+        self.scheduler.add(req.seqs[0])
         self.requests[request_id] = req
         return req
 
@@ -252,6 +291,11 @@ class LLMEngine:
         for seq, first, logits in result.prompt_logits:
             self._add_prompt_logprobs(seq, first, logits)
         touched: dict[str, Request] = {}
+        for seq, first, rows in result.pool_rows:  # embedding requests: pooled; done at the prompt's end
+            seq.request.pooling.add(first, rows)
+            if first + rows.shape[0] == seq.num_prompt_tokens:
+                self._finish(seq, "stop")
+                touched[seq.request.request_id] = seq.request
         if result.sample_seqs:
             seqs = result.sample_seqs
             drafting = any(s.draft_token_ids for s in seqs)
@@ -420,7 +464,9 @@ class LLMEngine:
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([token_id])
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request) -> RequestOutput | EmbeddingRequestOutput:
+        if req.pooling is not None:
+            return self._embedding_output(req)
         outs = []
         for seq in req.seqs:
             text = seq.detokenizer.visible_text(seq.finished)
@@ -448,6 +494,15 @@ class LLMEngine:
             req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
             req.prompt_logprobs, max(s.num_cached_tokens for s in req.seqs), metrics,
         )
+
+    def _embedding_output(self, req: Request) -> EmbeddingRequestOutput:
+        seq, state = req.seqs[0], req.pooling
+        output = None
+        if seq.finish_reason == "stop":
+            vector = state.result(seq.num_prompt_tokens)[None]
+            output = EmbeddingOutput(finish(vector, self.pooling, [state.params.dimensions])[0].tolist())
+        return EmbeddingRequestOutput(req.request_id, req.prompt, req.prompt_token_ids, output, req.finished,
+                                      {"arrival_time": req.arrival_time})
 
     # -- statistics ----------------------------------------------------------------------
 

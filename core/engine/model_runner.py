@@ -4,7 +4,7 @@ the forward pass, and returns the logits the sampler and prompt logprobs need.""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,6 +23,8 @@ class StepLogits:
     sample_logits: torch.Tensor | None
     # (sequence, first prompt position predicted, logits [k, V]) for prompt logprobs
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]]
+    # (sequence, first position, hidden states [k, H]) of embedding requests' sequences: pooled, never sampled
+    pool_rows: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 def upload(parts: tuple[list[int], ...], device: torch.device) -> list[torch.Tensor]:
@@ -102,7 +104,7 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[pos // p] * p + pos % p for pos in range(c, c + n))
             seq_lens.append(c + n)
-            if c + n == seq.num_tokens + len(draft):  # the step ends at its last token: sample its next one
+            if c + n == seq.num_tokens + len(draft) and seq.request.pooling is None:  # ends at its last token
                 sample_seqs.append(seq)
                 sample_rows.extend(range(starts[-1] + n - 1 - len(draft), starts[-1] + n))
             starts.append(starts[-1] + n)
@@ -127,9 +129,11 @@ class ModelRunner:
         with device_guard(self.device):
             meta.backend_state = self.backend.prepare(meta)
             hidden = self.model(ids, pos, meta) if self.compiled is None else self.compiled.forward(ids, pos, meta)
-            prompt_logits = []
+            prompt_logits, pool_rows = [], []
             for seq, n, start in zip(seqs, num_new, starts):
                 c = seq.num_computed_tokens
+                if seq.request.pooling is not None:
+                    pool_rows.append((seq, c, hidden[start:start + n]))
                 if seq.params.prompt_logprobs is not None and not seq.request.prompt_logprobs_done and seq.index == 0:
                     # Position j's logits predict token j + 1; keep those whose target is a prompt token.
                     last = min(c + n, seq.num_prompt_tokens - 1)
@@ -141,7 +145,7 @@ class ModelRunner:
                 logits = self.compiled.logits(hidden, sample_rows, index=rows)
             elif sample_rows:
                 logits = self._as_fp32(self.model.compute_logits(hidden.index_select(0, rows)))
-        return StepLogits(sample_seqs, logits, prompt_logits)
+        return StepLogits(sample_seqs, logits, prompt_logits, pool_rows)
 
     def _as_fp32(self, logits: torch.Tensor) -> torch.Tensor:
         """The step's logits in fp32, in a buffer kept across steps: a fresh [64, 49152] fp32 tensor

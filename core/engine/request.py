@@ -12,6 +12,7 @@ import torch
 from fw.engine.detokenizer import IncrementalDetokenizer
 from fw.engine.outputs import Logprob
 from fw.grammar.service import SequenceGrammar
+from fw.pooling.pooler import PoolingState
 from fw.sampling.params import SamplingParams
 from fw.speculative.service import SpeculationState
 
@@ -85,6 +86,7 @@ class Request:
     delta: bool = False  # stream deltas instead of cumulative outputs
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_done: bool = False
+    pooling: PoolingState | None = None  # an embedding request (--task embed): its prompt's states pooled
 
     @property
     def finished(self) -> bool:

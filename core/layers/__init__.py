@@ -11,6 +11,7 @@ from fw.layers.blocks import (ACTIVATIONS, FUSED_PROJECTIONS, DecoderModel, Gate
 from fw.layers.causal_lm import CausalLM
 from fw.layers.context import ModelContext
 from fw.layers.dense import dense_linear, pack_dense_weight
+from fw.layers.encoder import BidirectionalAttention, EncoderMetadata
 from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod
 from fw.layers.moe import (GATED_EXPERT_NAMES, MIXTRAL_EXPERT_NAMES, FusedExperts, MoeKernel, SparseMoeBlock,
                            TopKRouter, load_moe_weights, topk_routing)
@@ -30,6 +31,8 @@ __all__ = [
     "DecoderModel",
     "PreNormDecoderLayer",
     "SelfAttention",
+    "BidirectionalAttention",
+    "EncoderMetadata",
     "dense_linear",
     "pack_dense_weight",
     "Linear",

@@ -15,6 +15,7 @@ from fw.devices import cuda_capability
 from fw.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError, UnsupportedConfigurationError
 from fw.layers import cpu_ops, dense, packed_int
 from fw.layers.context import ModelContext
+from fw.layers.encoder import BidirectionalAttention
 from fw.model_loader.attention_needs import check_built_layers, logit_softcap_needed, sliding_window_needed
 from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
 from fw.model_loader.hardware import cpu_has_native_bf16
@@ -24,10 +25,15 @@ from fw.model_loader.quantized_weights import check_expert_tensors, check_method
 from fw.model_loader.source import ModelSource, resolve_model
 from fw.plugins.manager import PluginManager
 from fw.plugins.selection import MoeKernelChooser, Selection, select_attention_backend, unverified_warning
-from fw.plugins.specs import ArchitectureSpec, AttentionRequirements
+from fw.plugins.specs import ArchitectureSpec, AttentionBackendSpec, AttentionRequirements
 from fw.warm import startup
 
 logger = logging.getLogger("fw.loader")
+
+# What `LoadedModel.attention` names for encoder-only architectures (task "embed"): their layers use
+# fw.layers.BidirectionalAttention (torch SDPA within each sequence), not a paged-KV backend plugin.
+ENCODER_ATTENTION = AttentionBackendSpec("bidirectional", BidirectionalAttention,
+                                         description="encoders' own attention (fw.layers.BidirectionalAttention)")
 
 
 @dataclass
@@ -183,9 +189,12 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     if max_length > model_max:
         raise ConfigError(f"--max-length {max_length} exceeds the model's context length {model_max}")
 
-    req = attention_requirements(cfg, hf_config, dtype, device)
-    name = None if cfg.attention_backend == "auto" else cfg.attention_backend
-    attention = select_attention_backend(plugins.registry("attention_backend"), req, name)
+    if arch.task == "embed":  # an encoder attends within each sequence itself: no backend, no KV cache
+        attention = Selection(ENCODER_ATTENTION)
+    else:
+        req = attention_requirements(cfg, hf_config, dtype, device)
+        name = None if cfg.attention_backend == "auto" else cfg.attention_backend
+        attention = select_attention_backend(plugins.registry("attention_backend"), req, name)
     if attention.warning:
         logger.warning("%s", attention.warning)
 

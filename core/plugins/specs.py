@@ -100,6 +100,14 @@ class ArchitectureSpec:
     # empty; `rejection_reason(hf_config)` returns None when it can run the model, else why not.
     fallback: bool = False
     rejection_reason: Callable[[Any], str | None] | None = None
+    # What the model is for. "generate": a causal LM over the paged KV cache, `forward` + `compute_logits`
+    # (it also embeds with --task embed, its hidden states pooled). "embed": an encoder without KV cache
+    # (bidirectional attention; `forward(input_ids, positions, fw.layers.EncoderMetadata)` -> hidden states,
+    # no `compute_logits`), run by fw.pooling's encoder engine for embeddings only (docs/embeddings.md).
+    task: Literal["generate", "embed"] = "generate"
+    # How hidden states become one vector when the checkpoint does not say (no sentence-transformers
+    # 1_Pooling/config.json) and --pooling is auto: "last" (token), "mean", "cls" (first token) or "max".
+    default_pooling: str = "last"
     kind = "architecture"
 
     def summary(self) -> dict:
@@ -109,6 +117,7 @@ class ArchitectureSpec:
             "supported_quantization": (None if self.supported_quantization is None
                                        else list(self.supported_quantization)),
             "fallback": self.fallback,
+            "task": self.task,
         }
 
 

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fw.errors import FwError
 from fw.server import body_errors, openapi, routes_chat, routes_completions, routes_misc
+from fw.server import routes_embeddings
 from fw.server.logtext import quoted
 from fw.server.protocol import error_body
 from fw.server.state import ServerState
@@ -111,6 +112,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     app.include_router(routes_completions.router)
     app.include_router(routes_chat.router)
     app.include_router(routes_misc.router)
+    app.include_router(routes_embeddings.router)
     _add_plugin_routes(app, state)
     openapi.install(app)
     return app

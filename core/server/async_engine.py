@@ -109,7 +109,7 @@ class AsyncEngine:
     ) -> "RequestStream":
         """Queue a request; validation errors are raised here, before any output is promised."""
         stream = _Stream(asyncio.get_running_loop())
-        if params.structured_outputs is not None:
+        if getattr(params, "structured_outputs", None) is not None:  # embedding requests (PoolingParams) have none
             # Compile on the grammar service's worker, off the engine thread: the engine's own
             # compile in add_request is then a cache hit, and other requests keep stepping meanwhile.
             await asyncio.wrap_future(self.engine.grammar.compile_async(params.structured_outputs))
@@ -120,6 +120,29 @@ class AsyncEngine:
 
         await self._call(add)
         return RequestStream(self, request_id, stream, params.n)
+
+    async def add_requests(self, prompts: list[tuple[str | None, list[int]]], params: Any,
+                           request_ids: list[str]) -> list["RequestStream"]:
+        """Queue several inputs in one command, all or nothing: the engine thread adds them between two
+        steps, so they share the next batch (one `add_request` each would wait a step per input). For
+        embedding requests, whose params hold no grammar to compile."""
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(loop) for _ in prompts]
+
+        def add() -> None:
+            added: list[str] = []
+            try:
+                for (text, ids), request_id in zip(prompts, request_ids):
+                    self.engine.add_request(request_id, text, ids, params, delta=True)
+                    added.append(request_id)
+            except BaseException:
+                for request_id in added:
+                    self.engine.abort_request(request_id)
+                raise
+            self._streams.update(zip(request_ids, streams))
+
+        await self._call(add)
+        return [RequestStream(self, request_id, stream) for request_id, stream in zip(request_ids, streams)]
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort without awaiting: safe from `finally` blocks of cancelled tasks (disconnects)."""

@@ -188,3 +188,14 @@ class ErrorResponse(BaseModel):
     """The body of every error status (see `error_body`), for /openapi.json."""
 
     error: ErrorDetail
+
+
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings, as OpenAI's: `input` a string, a list of strings, token ids or a list of
+    token-id lists; `encoding_format` float or base64; `dimensions` for Matryoshka models."""
+
+    model: str | None = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None

@@ -14,6 +14,7 @@ from fw.server.limits import CHAT_RANGES, check_limits
 from fw.server.openapi import error_responses
 from fw.server.prompts import chat_prompt
 from fw.server.protocol import ChatCompletionRequest, ChatMessage, new_id, now
+from fw.server.routes_embeddings import require_task
 from fw.server.state import ServerState
 from fw.server.streaming import merged, respond, sse
 from fw.server.tools import ToolPlan, plan_tools, render_with_tools, tool_message_fields, tool_sampling_params
@@ -55,6 +56,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.fw
     model = state.model_name(req.model)
     state.note_ignored(req)
+    require_task(state, "generate", "/v1/chat/completions")
     check_limits(req, CHAT_RANGES, state.engine.engine.vocab_size)
     engine = state.engine.engine
     plan = plan_tools(req, engine.plugins.registry("tool_parser"), engine.config.tool_call_parser,

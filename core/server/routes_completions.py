@@ -11,6 +11,7 @@ from fw.server.limits import RANGES, check_limits
 from fw.server.openapi import error_responses
 from fw.server.prompts import text_prompt_ids
 from fw.server.protocol import CompletionRequest, new_id, now
+from fw.server.routes_embeddings import require_task
 from fw.server.state import ServerState
 from fw.server.streaming import merged, respond, sse
 
@@ -41,6 +42,7 @@ async def create_completion(req: CompletionRequest, request: Request):
     state: ServerState = request.app.state.fw
     model = state.model_name(req.model)
     state.note_ignored(req)
+    require_task(state, "generate", "/v1/completions")
     if req.suffix:
         raise InvalidRequestError("suffix is not supported: this server does not do fill-in-the-middle",
                                   param="suffix")
