@@ -59,7 +59,6 @@ constexpr int64_t BLOCK = 32;       // inputs per block
 constexpr int64_t Q4_RECORD = 320;  // bytes per (tile, block)
 constexpr int64_t Q8_RECORD = 576;
 constexpr int64_t F8_RECORD = 576;
-constexpr int MR = 4;               // activation rows per pass over a tile's blocks
 constexpr int64_t PREFETCH_AHEAD = 4608;  // bytes: records are requested this far ahead of the one in use
 
 enum class Kind { Q4, Q8, F8 };
@@ -67,6 +66,11 @@ enum class Kind { Q4, Q8, F8 };
 constexpr int64_t record_bytes(Kind kind) {
   return kind == Kind::Q4 ? Q4_RECORD : kind == Kind::Q8 ? Q8_RECORD : F8_RECORD;
 }
+
+constexpr int MR = 8;               // activation rows per pass over a tile's blocks, at most
+
+// Rows per pass: 8 keep q8's and f8's weights in registers for more rows; q4 holds two integer sums a row.
+constexpr int rows_per_pass(Kind kind) { return kind == Kind::Q4 ? 4 : 8; }
 
 bool available() {
 #ifdef FW_PACKED_INT
@@ -156,6 +160,9 @@ inline void prefetch_record(const uint8_t* p) {
 }
 
 // One tile (16 output rows) times `rows` (1..MR) activation rows, over all KB blocks: acc[r] = 16 row sums.
+// The q4 kernel reads each row as two int8 terms (quantize_rows' residual): quantized rows 2r and 2r + 1 with
+// scales s and s / 254. Their integer sums S1 and S2 combine exactly in int32 as 254 S1 + S2 (at most
+// 254 * 60,960 + 60,960 in size), so a row costs one conversion and one scale, times s / 254.
 template <int ROWS>
 void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
   const QuantizedRows& a = *acts.q;
@@ -173,16 +180,19 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
     }
     const __m512 d = load_half16(rec + 256), m = load_half16(rec + 288);
     for (int r = 0; r < ROWS; ++r) {
-      const int32_t* x = reinterpret_cast<const int32_t*>(a.codes.data() + (m0 + r) * K + b * BLOCK);
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
-      for (int j = 0; j < 8; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(x[j]));
-        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(x[j + 1]));
+      const int64_t row = 2 * (m0 + r);  // the row's first term; its residual follows
+      const int32_t* x1 = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * BLOCK);
+      const int32_t* x2 = x1 + K / 4;
+      __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        s1 = _mm512_dpbusd_epi32(s1, w[j], _mm512_set1_epi32(x1[j]));
+        s2 = _mm512_dpbusd_epi32(s2, w[j], _mm512_set1_epi32(x2[j]));
       }
-      const int64_t ib = (m0 + r) * KB + b;
-      const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib)])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[size_t(ib)]), acc[r]);
+      const __m512i both = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s1, 8), _mm512_slli_epi32(s1, 1)), s2);
+      const int64_t ib1 = row * KB + b, ib2 = ib1 + KB;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib2)])),
+                               acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[size_t(ib1)] + a.scaled_sum[size_t(ib2)]), acc[r]);
     }
   }
 }
@@ -283,8 +293,8 @@ void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m51
 #endif
 }
 
-// M rows of activations (2 M quantized rows when TERMS is 2: each output row sums its two terms' products).
-template <Kind KIND, int TERMS>
+// M rows of activations, MR at a time per tile (q4_tile reads each row's two quantized terms itself).
+template <Kind KIND>
 void run(const Acts& a, const uint8_t* w, int64_t M, int64_t N, bool fp32_out, void* out) {
   const int64_t KB = a.K / BLOCK, NT = (N + TILE - 1) / TILE;
   const int64_t tile_bytes = KB * record_bytes(KIND);
@@ -294,21 +304,24 @@ void run(const Acts& a, const uint8_t* w, int64_t M, int64_t N, bool fp32_out, v
       const uint8_t* tile = w + t * tile_bytes;
       const int64_t n0 = t * TILE;
       const __mmask16 mask = N - n0 >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
-      for (int64_t m0 = 0; m0 < TERMS * M; m0 += MR) {  // MR is a multiple of TERMS: no row is split
-        const int rows = int(std::min<int64_t>(MR, TERMS * M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += rows_per_pass(KIND)) {
+        const int rows = int(std::min<int64_t>(rows_per_pass(KIND), M - m0));
         switch (rows) {
+          case 8: if constexpr (rows_per_pass(KIND) >= 8) tile_rows<8, KIND>(tile, KB, a, m0, acc); break;
+          case 7: if constexpr (rows_per_pass(KIND) >= 7) tile_rows<7, KIND>(tile, KB, a, m0, acc); break;
+          case 6: if constexpr (rows_per_pass(KIND) >= 6) tile_rows<6, KIND>(tile, KB, a, m0, acc); break;
+          case 5: if constexpr (rows_per_pass(KIND) >= 5) tile_rows<5, KIND>(tile, KB, a, m0, acc); break;
           case 4: tile_rows<4, KIND>(tile, KB, a, m0, acc); break;
           case 3: tile_rows<3, KIND>(tile, KB, a, m0, acc); break;
           case 2: tile_rows<2, KIND>(tile, KB, a, m0, acc); break;
           default: tile_rows<1, KIND>(tile, KB, a, m0, acc); break;
         }
-        for (int r = 0; r < rows; r += TERMS) {
-          const __m512 sums = TERMS == 2 ? _mm512_add_ps(acc[r], acc[r + 1]) : acc[r];
-          const int64_t row = (m0 + r) / TERMS;
+        for (int r = 0; r < rows; ++r) {
           if (fp32_out) {
-            _mm512_mask_storeu_ps(static_cast<float*>(out) + row * N + n0, mask, sums);
+            _mm512_mask_storeu_ps(static_cast<float*>(out) + (m0 + r) * N + n0, mask, acc[r]);
           } else {
-            _mm256_mask_storeu_epi16(static_cast<c10::BFloat16*>(out) + row * N + n0, mask, fw_simd::to_bf16_bits(sums));
+            _mm256_mask_storeu_epi16(static_cast<c10::BFloat16*>(out) + (m0 + r) * N + n0, mask,
+                                     fw_simd::to_bf16_bits(acc[r]));
           }
         }
       }
@@ -377,10 +390,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   }
   const bool write_fp32 = out.scalar_type() == at::kFloat;
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
-  if (kind == Kind::Q4) run<Kind::Q4, 2>(a, wp, M, N, write_fp32, out.data_ptr());
-  else if (kind == Kind::Q8) run<Kind::Q8, 1>(a, wp, M, N, write_fp32, out.data_ptr());
+  if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
-  else run<Kind::F8, 1>(a, wp, M, N, write_fp32, out.data_ptr());
+  else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());
 #endif
 #endif
   return out;
