@@ -12,6 +12,7 @@ import torch
 
 from fw.bench.kernels_attention import AttentionShape, decode_metadata, traffic
 from fw.bench.kernels_peaks import known_peak, resolve_peak
+from fw.bench.plot import read_html_data
 from fw.cli.main import main
 
 ATTENTION = ["bench", "kernels", "--kind", "attention", "--device", "cpu", "--dtype", "float32",
@@ -33,9 +34,14 @@ def _run(args, tmp_path, capsys) -> tuple[int, dict, str]:
 def test_attention_sdpa_and_cpu_paged(tmp_path, capsys, isolated_plugins):
     from fw.backends.attention import cpu_paged
 
-    code, report, table = _run([*ATTENTION, "--backends", "sdpa,cpu_paged", "--peak-bandwidth-gbps", "40"],
-                               tmp_path, capsys)
+    plot = tmp_path / "attention.html"
+    code, report, table = _run([*ATTENTION, "--backends", "sdpa,cpu_paged", "--peak-bandwidth-gbps", "40",
+                                "--plot", str(plot)], tmp_path, capsys)
     assert code == 0
+    (panel,) = read_html_data(plot.read_text())["panels"]  # achieved GB/s against the peak
+    assert panel["data"]["reference"]["value"] == 40.0
+    assert panel["data"]["series"][0]["values"] == [r["bandwidth_gbps"] for r in report["results"]
+                                                    if r["backend"] == "sdpa"]
     assert report["benchmark"] == "kernels" and report["kind"] == "attention"
     assert report["device"] == "cpu" and report["dtype"] == "float32"
     assert report["backends"] == ["sdpa", "cpu_paged"]

@@ -10,6 +10,7 @@ import pytest
 
 from fw.bench import BenchError
 from fw.bench.offline import exact_length_ids, make_prompts, ratios, throughput_lengths
+from fw.bench.plot import read_html_data
 from fw.cli.main import main
 
 
@@ -84,15 +85,19 @@ def test_throughput_against_transformers(gqa_dir, tmp_path, capsys, isolated_plu
 
 
 def test_throughput_passes_alternate_and_report_the_median(gqa_dir, tmp_path, capsys, isolated_plugins):
+    plot = tmp_path / "throughput.html"
     report = _run(["bench", "throughput", "--model", str(gqa_dir), "--dtype", "float32", "--num-prompts", "3",
                    "--input-len", "12", "--input-len-range", "0.5", "--output-len", "4", "--num-passes", "3",
-                   "--baseline", "transformers", "--baseline-batch-size", "3", "--num-kv-blocks", "64"],
-                  tmp_path, capsys)
+                   "--baseline", "transformers", "--baseline-batch-size", "3", "--num-kv-blocks", "64",
+                   "--plot", str(plot)], tmp_path, capsys)
     assert report["workload"]["num_passes"] == 3
-    for side in ("fw", "baseline"):
+    output_panel = read_html_data(plot.read_text())["panels"][0]["data"]["groups"]  # the plot shows the report
+    for side, group in zip(("fw", "baseline"), output_panel):
         passes = report["passes"][side]
         assert len(passes) == 3 and all(p["output_tokens"] == 3 * 4 for p in passes)
         assert report[side] == sorted(passes, key=lambda p: p["elapsed_s"])[1]  # the median pass
+        assert group["value"] == report[side]["output_throughput"]
+        assert group["points"] == [p["output_throughput"] for p in passes]
     assert report["ratios"]["elapsed_s"] == pytest.approx(report["fw"]["elapsed_s"] / report["baseline"]["elapsed_s"])
 
 

@@ -279,11 +279,22 @@ def fw_server(gqa_dir, tmp_path) -> Iterator[str]:
 
 
 def test_against_fw_serve(fw_server, tmp_path, capsys):
-    out = tmp_path / "fw.json"
+    pytest.importorskip("matplotlib")  # the PNG plot: the bench extra (the test extra has it)
+    from fw.bench.plot import read_png_data
+
+    out, plot = tmp_path / "fw.json", tmp_path / "fw.png"
     assert main(["bench", "serve", "--base-url", fw_server, "--num-prompts", "8", "--max-concurrency", "4",
                  "--input-len", "32", "--output-len", "8", "--ignore-eos", "--no-progress",
-                 "--result-json", str(out)]) == 0
+                 "--result-json", str(out), "--plot", str(plot)]) == 0
     report = json.loads(out.read_text())
+    ttft, itl, e2e, startup = read_png_data(plot)["panels"]  # what the PNG shows is what the report says
+    assert ttft["data"]["values"] == pytest.approx([r["ttft"] * 1000 for r in report["requests"]])
+    assert e2e["data"]["markers"]["p99"] == report["e2el_ms"]["p99"]
+    assert sum(b[2] for b in itl["data"]["bins"]) == sum(len(r["itl"]) for r in report["requests"])
+    # fw's /metrics gives its start-up phases, stacked in the plot
+    phases = report["server_startup"]["phases"]
+    assert "load weights" in phases and report["server_startup"]["ready_s"] > 0
+    assert {layer["label"] for layer in startup["data"]["layers"]} == set(phases)
     assert (report["completed"], report["failed"]) == (8, 0), report["errors"]
     assert report["total_output_tokens"] == 64 and report["output_tokens_source"] == "usage"
     assert report["tokens_per_word_source"] == "tokenize"  # fw serves POST /tokenize

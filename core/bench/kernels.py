@@ -71,6 +71,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="Device matrix TFLOP/s at --dtype (default: the known-device table on GPU; none on CPU).")
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None, help="Write the full report here.")
+    from fw.bench.plot import add_plot_argument
+
+    add_plot_argument(o)
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -301,10 +304,14 @@ def run(args: argparse.Namespace) -> int:
     """`fw bench kernels`: progress on stderr, the table on stdout, the report to --output-json."""
     import sys
 
+    from fw.bench.plot import check_target, plot_after_run
     from fw.bench.report import write_json
 
+    if args.plot:
+        check_target(args.plot)
     report = bench_kernels(args, progress=lambda line: print(line, file=sys.stderr, flush=True))
     if args.output_json:
         write_json(report, args.output_json)
+    plot_after_run(report, args.plot)
     print(format_table(report))
     return 0 if any(r["status"] == "ok" for r in report["results"]) else 1

@@ -111,6 +111,7 @@ def build_report(run: BenchmarkRun) -> dict[str, Any]:
         "itl_ms": summarize(gap * ms for r in ok for gap in r.itl),
         "e2el_ms": summarize(r.latency * ms for r in ok if r.latency is not None),
         "errors": dict(Counter(r.error or "unknown error" for r in failed).most_common()),
+        "server_startup": run.server_startup,
         "requests": [r.to_json() for r in run.results],
     }
     return report

@@ -16,6 +16,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -341,6 +342,32 @@ async def discover_model(client: httpx.AsyncClient, base_url: str, headers: dict
         raise BenchError(f"GET {url} listed no model; pass --model") from None
 
 
+_PHASE_SAMPLE = re.compile(r'^fw_startup_phase_seconds\{(.*)\}\s+(\S+)$')
+_PHASE_LABEL = re.compile(r'(?:^|,)phase="((?:[^"\\]|\\.)*)"')
+_READY_SAMPLE = re.compile(r'^fw_startup_ready_seconds(?:\{.*\})?\s+(\S+)$')
+
+
+async def server_startup(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> dict | None:
+    """A fw server's start-up phases from its /metrics (`fw_startup_phase_seconds`), for the report and the
+    plot; None from any other server, or when /metrics does not answer."""
+    try:
+        resp = await client.get(root_url(base_url) + "/metrics", headers=headers, timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    phases: dict[str, float] = {}
+    ready = None
+    for line in resp.text.splitlines():
+        if m := _PHASE_SAMPLE.match(line):
+            if label := _PHASE_LABEL.search(m.group(1)):
+                name = re.sub(r"\\(.)", lambda e: "\n" if e.group(1) == "n" else e.group(1), label.group(1))
+                phases[name] = float(m.group(2))
+        elif m := _READY_SAMPLE.match(line):
+            ready = float(m.group(1))
+    return {"phases": phases, "ready_s": ready} if phases else None
+
+
 @dataclass
 class BenchmarkRun:
     """A finished run: per-request results, wall time, and what was decided before it started."""
@@ -350,6 +377,7 @@ class BenchmarkRun:
     calibration: Calibration
     results: list[RequestResult]
     duration: float
+    server_startup: dict | None = None  # a fw server's start-up phases (its /metrics), else None
 
 
 async def benchmark(cfg: BenchConfig, progress: bool = True) -> BenchmarkRun:
@@ -366,6 +394,7 @@ async def benchmark(cfg: BenchConfig, progress: bool = True) -> BenchmarkRun:
             calibration = Calibration(cfg.tokens_per_word, "flag")
         else:
             calibration = await calibrate(client, root_url(cfg.base_url) + "/tokenize", model, headers, cfg.seed)
+        startup = await server_startup(client, cfg.base_url, headers)
         requests = prepare_requests(cfg, model, calibration.tokens_per_word or DEFAULT_TOKENS_PER_WORD)
         offsets = arrival_offsets(cfg.num_prompts, cfg.request_rate, cfg.burstiness, random.Random(cfg.seed + 1))
         bar = _progress_bar(cfg.num_prompts, progress)
@@ -375,7 +404,7 @@ async def benchmark(cfg: BenchConfig, progress: bool = True) -> BenchmarkRun:
                                                on_done=lambda r: bar.update(1))
         finally:
             bar.close()
-    return BenchmarkRun(cfg, model, calibration, results, duration)
+    return BenchmarkRun(cfg, model, calibration, results, duration, startup)
 
 
 def _progress_bar(total: int, enabled: bool):

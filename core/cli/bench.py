@@ -1,6 +1,7 @@
 """`fw bench`: benchmarks as commands. `fw bench serve` loads any OpenAI-compatible server;
 `fw bench latency` and `fw bench throughput` measure fw's engine in-process, optionally against transformers;
-`fw bench kernels` times attention backends and MoE kernels alone (fw.bench.kernels)."""
+`fw bench kernels` times attention backends and MoE kernels alone (fw.bench.kernels); `--plot FILE` on each,
+and `fw bench plot` on saved reports, draw them (fw.bench.plot)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,21 @@ def configure(p: argparse.ArgumentParser) -> None:
     from fw.bench.kernels import configure as configure_kernels
 
     configure_kernels(kernels)
+    plot = actions.add_parser(
+        "plot", help="Draw saved fw bench reports (JSON) as a PNG or HTML plot; several serve reports: a sweep.",
+        description="Draw the JSON report of fw bench serve, latency, throughput or kernels into a PNG or an HTML "
+                    "page. Several fw bench serve reports that differ in --request-rate or --max-concurrency plot "
+                    "as a sweep: throughput and p99 latencies against it. See docs/bench.md.")
+    plot.add_argument("reports", nargs="+", metavar="REPORT",
+                      help="JSON files written by --result-json / --output-json.")
+    plot.add_argument("--output", "-o", required=True, metavar="FILE", help="The plot: FILE.png or FILE.html.")
     p.set_defaults(_bench_help=p.print_help)
+
+
+def add_plot_argument(group) -> None:
+    from fw.bench.plot import add_plot_argument as add
+
+    add(group)
 
 
 def configure_serve(p: argparse.ArgumentParser) -> None:
@@ -80,6 +95,7 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--result-json", default=None, help="Write the full report (with per-request records) here.")
     out.add_argument("--no-progress", action="store_true", help="No progress bar on stderr.")
+    add_plot_argument(out)
 
 
 def _json_object(text: str) -> dict:
@@ -112,6 +128,7 @@ def _configure_offline(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None, help="Write fw's figures, the baseline's and their ratios here.")
     o.add_argument("--no-progress", action="store_true", help="No progress bars on stderr.")
+    add_plot_argument(o)
     add_config_arguments(p)  # --model, --dtype, --max-batch-size, ... (--seed also seeds the prompts)
     return w
 
@@ -145,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         from fw.bench.kernels import run as run_kernels
 
         return run_kernels(args)
+    if args.bench_action == "plot":
+        return run_plot(args)
     args._bench_help()
     return 2
 
@@ -158,6 +177,10 @@ def run_offline(args: argparse.Namespace) -> int:
     from fw.llm import LLM
 
     config = resolve_config(cli=vars(args), config_file=args.config)
+    if args.plot:
+        from fw.bench.plot import check_target
+
+        check_target(args.plot)  # before the model loads and the run: a bad name or no matplotlib fails now
     if config.model is None:
         config.model = default_model()
     if args.contention < 0:
@@ -177,7 +200,18 @@ def run_offline(args: argparse.Namespace) -> int:
     report["workload"]["contention"] = args.contention
     if args.output_json:
         write_json(report, args.output_json)
+    from fw.bench.plot import plot_after_run
+
+    plot_after_run(report, args.plot)
     print(offline.format_table(report))
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from fw.bench.plot import read_reports, write_plot
+
+    write_plot(read_reports(args.reports), args.output)
+    print(f"fw bench: plot written to {args.output}", file=sys.stderr)
     return 0
 
 
@@ -195,10 +229,18 @@ def run_serve(args: argparse.Namespace) -> int:
         tokens_per_word=args.tokens_per_word, extra_body=args.extra_body,
     )
     cfg.validate()
+    if args.plot:
+        from fw.bench.plot import check_target
+
+        check_target(args.plot)
     result = asyncio.run(benchmark(cfg, progress=not args.no_progress))
     report = build_report(result)
     if args.result_json:  # first: a reader that closes stdout (`| head`) must not cost the result file
         write_json(report, args.result_json)
+    if report["completed"]:
+        from fw.bench.plot import plot_after_run
+
+        plot_after_run(report, args.plot)
     print(f"fw bench serve: {report['model']} at {api_url(cfg.base_url, cfg.endpoint)}; {cfg.num_prompts} prompts, "
           f"rate {cfg.request_rate:g}/s, concurrency {cfg.max_concurrency or 'unlimited'}, "
           f"{result.calibration.tokens_per_word:.2f} tokens/word ({result.calibration.source})", file=sys.stderr)

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fw.errors import FwError
-from fw.server import body_errors, openapi, routes_chat, routes_completions, routes_misc
+from fw.server import body_errors, openapi, routes_chat, routes_completions, routes_misc, routes_ui
 from fw.server import routes_embeddings
 from fw.server.logtext import quoted
 from fw.server.protocol import error_body
@@ -67,6 +67,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     app = FastAPI(title="fw", version=__version__, lifespan=lifespan)
     app.state.fw = state
     app.add_middleware(BodyLimit, limit=state.config.payload_limit)
+    open_routes = OPEN_ROUTES | (routes_ui.PATHS if state.config.ui else frozenset())  # the page's files
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -74,7 +75,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         if length is not None and length.isdigit() and int(length) > state.config.payload_limit:
             return _error(state, 413, f"the request body has {length} bytes, more than the "
                           f"{state.config.payload_limit} allowed (--payload-limit)", "invalid_request_error")
-        if state.config.api_key is not None and request.url.path not in OPEN_ROUTES:
+        if state.config.api_key is not None and request.url.path not in open_routes:
             given = request.headers.get("authorization", "")
             expected = f"Bearer {state.config.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
@@ -113,6 +114,8 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     app.include_router(routes_chat.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_embeddings.router)
+    if state.config.ui:
+        app.include_router(routes_ui.router)
     _add_plugin_routes(app, state)
     openapi.install(app)
     return app

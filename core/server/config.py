@@ -35,6 +35,8 @@ class ServerConfig:
         "Log every request (id, sizes, parameters).", negated_aliases=(("--disable-log-requests", "vLLM"),)))
     json_logs: bool = field(default=False, metadata=_opt("Write logs as JSON lines.",
                                                          aliases=(("--json-output", "TGI"),)))
+    ui: bool = field(default=True, metadata=_opt(
+        "Serve the chat page at / (static files shipped with fw; its API calls carry the key). --no-ui: / is a 404."))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

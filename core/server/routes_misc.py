@@ -1,5 +1,5 @@
 """Everything but generation: models, health, version, tokenize/detokenize,
-the plugin inventory and Prometheus metrics."""
+the plugin inventory, the sampler plugins' parameters and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -81,6 +81,18 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
 @router.get("/v1/fw/plugins", responses=error_responses(401))
 async def plugins(request: Request) -> dict:
     return {"plugins": _state(request).engine.engine.plugins.inventory()}
+
+
+@router.get("/v1/fw/samplers", responses=error_responses(401))
+async def samplers(request: Request) -> dict:
+    """The sampler plugins: each with its role and order, and for the per-request ones (what a request's
+    `samplers` may name) the JSON schema of their parameters. The chat page builds its controls from it."""
+    registry = _state(request).engine.engine.plugins.registry("sampler")
+    return {"object": "list", "data": [
+        {"name": r.spec.name, "description": r.spec.description, "plugin": r.plugin, "distribution": r.distribution,
+         "per_request": r.spec.per_request, **r.spec.summary()}
+        for r in sorted(registry.registrations(), key=lambda r: (r.spec.order, r.spec.name))
+    ]}
 
 
 @router.get("/metrics")

@@ -6,10 +6,11 @@ before it touches the engine, as TGI does."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import AsyncIterator, Iterator
 
@@ -109,6 +110,8 @@ class ServerState:
     async def add(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                   request_id: str) -> RequestStream:
         self.check_prompt(len(prompt_ids))
+        if self.config.log_requests:
+            logger.info("request %s: %d prompt tokens; %s", request_id, len(prompt_ids), describe_params(params))
         return await self.engine.add_request(prompt, prompt_ids, params, request_id)
 
     async def track(self, stream: RequestStream, num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
@@ -139,6 +142,27 @@ class ServerState:
         finally:
             self.metrics.request_finished(list(reasons.values()), num_prompt_tokens, generated,
                                           time.monotonic() - arrival)
+
+
+def describe_params(params: SamplingParams) -> str:
+    """The sampling fields a request set (those off their defaults), for --log-requests. Values from the
+    request are written as JSON (control characters escaped); a constraint by its kind, id tables by their size."""
+    parts = []
+    for f in fields(params):
+        value = getattr(params, f.name)
+        if value is None or value == [] or value == {} or value == f.default:
+            continue
+        if f.name == "samplers":
+            value = json.dumps([{"name": s.name, **s.args} for s in value], default=str)
+        elif f.name == "structured_outputs":
+            value = next((k for k in ("json", "regex", "choice", "grammar") if getattr(value, k) is not None),
+                         "json_object")
+        elif f.name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            value = f"{len(value)} entries"
+        elif not isinstance(value, (bool, int, float)):
+            value = json.dumps(value, default=str)
+        parts.append(f"{f.name}={value}")
+    return ", ".join(parts) or "defaults"
 
 
 class Permit:
