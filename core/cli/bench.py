@@ -241,6 +241,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from fw.bench.plot import plot_after_run
 
         plot_after_run(report, args.plot)
+    elif args.plot:
+        print(f"fw bench: no request completed, so no plot ({args.plot} not written)", file=sys.stderr)
     print(f"fw bench serve: {report['model']} at {api_url(cfg.base_url, cfg.endpoint)}; {cfg.num_prompts} prompts, "
           f"rate {cfg.request_rate:g}/s, concurrency {cfg.max_concurrency or 'unlimited'}, "
           f"{result.calibration.tokens_per_word:.2f} tokens/word ({result.calibration.source})", file=sys.stderr)
