@@ -137,6 +137,17 @@ def error_text(driver) -> str:
                 what="an error shown")
 
 
+def watch_streaming_text(driver) -> None:
+    """Record the streaming reply's text at every change (a MutationObserver: no polling to miss it)."""
+    js(driver, """
+        window.fwTestSnapshots = [];
+        new MutationObserver(() => {
+          const e = document.querySelector('#messages .message.streaming .content');
+          if (e && e.textContent) window.fwTestSnapshots.push(e.textContent);
+        }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+    """)
+
+
 def open_page(driver, url: str) -> None:
     driver.get(url + "/")
     js(driver, "sessionStorage.clear()")
@@ -163,13 +174,11 @@ def test_chat_in_a_real_browser(browser, tmp_path):
         set_value(browser, "seed", "7")
         set_value(browser, "max_tokens", "48")
         use_sampler(browser, "xtc", True, threshold="0.2")
+        watch_streaming_text(browser)
         send(browser, "Name three colours.")
-        partial = wait(browser, lambda: [e.find_element("css selector", ".content").text
-                                         for e in browser.find_elements("css selector", ".message.streaming")
-                                         if e.find_element("css selector", ".content").text],
-                       what="streamed text before the reply ended")
         first = finished_reply(browser, 1)
-        assert partial[0] and first["text"].startswith(partial[0]) and len(first["text"]) > len(partial[0])
+        seen = js(browser, "return window.fwTestSnapshots")  # the reply's text each time it changed
+        assert len(set(seen)) > 1 and all(first["text"].startswith(text.strip()) for text in seen), seen
         assert int(first["chunks"]) > 1  # the text came in pieces
         assert float(first["ttftMs"]) > 0 and float(first["tokS"]) > 0 and int(first["tokens"]) > 1
         assert "TTFT" in first["stats"] and "tok/s" in first["stats"]
