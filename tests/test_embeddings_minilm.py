@@ -95,3 +95,25 @@ def test_minilm_in_bfloat16_stays_close(reference):
     """bf16 (--dtype auto on CPUs with native bf16) rounds every matmul; the vectors stay close."""
     got = vectors(LLM(str(MINILM), dtype="bfloat16").embed(SENTENCES))
     assert F.cosine_similarity(got, reference, dim=-1).min() >= 0.99
+
+
+def test_fw_serve_minilm_with_the_openai_sdk(tmp_path, reference):
+    """`fw serve` on the encoder: the ready line embeds, the openai SDK's embeddings.create works unchanged
+    (base64 by default), and the generation routes answer 400."""
+    from openai import BadRequestError, OpenAI
+    from transformers import AutoTokenizer
+
+    from server_fixtures import running_server
+
+    with running_server(["--model", str(MINILM), "--dtype", "float32", "--served-model-name", "minilm"],
+                        tmp_path) as server:
+        assert f"curl {server.base_url}/embeddings" in server.stdout()
+        client = OpenAI(base_url=server.base_url, api_key="unused")
+        result = client.embeddings.create(model="minilm", input=SENTENCES[:40])
+        got = torch.tensor([d.embedding for d in result.data])
+        assert F.cosine_similarity(got, reference[:40], dim=-1).min() >= 0.9999
+        tokenizer = AutoTokenizer.from_pretrained(str(MINILM))
+        assert result.usage.prompt_tokens == sum(len(ids) for ids in tokenizer(SENTENCES[:40]).input_ids)
+        with pytest.raises(BadRequestError, match="served for embeddings"):
+            client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hi"}])
+
