@@ -162,6 +162,25 @@ class EngineConfig:
         "(~/.cache/fw/compile)."))
     compile_cache_size_mb: int = field(default=2048, metadata=_opt(
         "Cap of --compile-cache-dir in MB: least recently used configurations are deleted beyond it (0: no cap)."))
+    # -- several processes (fw.distributed, docs/distributed.md) --
+    tensor_parallel_size: int = field(default=1, metadata=_opt(
+        "Processes (ranks) one model is split across, by attention heads and MLP columns; rank 0 runs the "
+        "engine, the others only the forward step. Gloo on CPU, NCCL on CUDA.",
+        aliases=(("--tp", "SGLang"), ("--tp-size", "SGLang"), ("--num-shard", "TGI"))))
+    nnodes: int = field(default=1, metadata=_opt(
+        "Machines the --tensor-parallel-size ranks are spread over, evenly; each runs fw with the same flags "
+        "and its own --node-rank."))
+    node_rank: int = field(default=0, metadata=_opt(
+        "This machine's index among --nnodes: 0 runs the engine (and serves), others run workers only."))
+    dist_init_addr: str | None = field(default=None, metadata=_opt(
+        "HOST:PORT where rank 0 meets the other ranks (every node gives the same); default: a free loopback "
+        "port, single node only."))
+    dist_init_timeout: float = field(default=120.0, metadata=_opt(
+        "Seconds for every rank to join at --dist-init-addr (and to load its shard) before start-up fails "
+        "naming the ranks that did not; torch's own default is 30 minutes."))
+    dist_timeout: float = field(default=60.0, metadata=_opt(
+        "Seconds a collective waits for a peer while serving before the engine fails (a frozen worker); "
+        "a worker that dies is noticed at once."))
 
     def __post_init__(self) -> None:
         if self.compile_mode is not None and self.enable_torch_compile is False:
@@ -202,6 +221,7 @@ class EngineConfig:
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         SpeculativeConfig.parse(self.speculative_config)  # its structure; the method is checked by the engine
         self._validate_compile()
+        self._validate_distributed()
 
     def _validate_compile(self) -> None:
         if self.compile_mode is not None and self.compile_mode not in COMPILE_MODES:
@@ -218,6 +238,22 @@ class EngineConfig:
                                   f"({values['max']})")
         if self.compile_cache_size_mb < 0:
             raise ConfigError(f"--compile-cache-size-mb must be 0 (no cap) or more, got {self.compile_cache_size_mb}")
+
+    def _validate_distributed(self) -> None:
+        """Each option on its own; how they combine (ranks per node, the address) is checked where
+        ranks start (fw.distributed.checks.check_layout)."""
+        for name in ("tensor_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag_name(name)} must be at least 1, got {getattr(self, name)}")
+        if self.node_rank < 0:
+            raise ConfigError(f"--node-rank must be 0 or more, got {self.node_rank}")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        for name in ("dist_init_timeout", "dist_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(self, name)}")
 
     @property
     def chunk_size(self) -> int:

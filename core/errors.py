@@ -65,3 +65,12 @@ class InvalidRequestError(FwError):
 
 class PromptTooLongError(InvalidRequestError):
     """Prompt plus max_tokens exceed the context the engine was started with."""
+
+
+class DistributedError(FwError):
+    """A multi-process engine lost a rank or could not assemble (fw.distributed): a worker died or
+    stopped answering, or a rank did not join in time. The message names the rank, the address and
+    what to check; the engine cannot step afterwards."""
+
+    status_code = 503
+    error_type = "service_unavailable"

@@ -73,6 +73,12 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "compile_cache_size_mb": (["--compile-cache-size-mb", "100"], 100),
     "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
                            {"method": "ngram", "num_speculative_tokens": 3}),
+    "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
+    "nnodes": (["--nnodes", "2"], 2),
+    "node_rank": (["--node-rank", "1"], 1),
+    "dist_init_addr": (["--dist-init-addr", "10.0.0.1:29500"], "10.0.0.1:29500"),
+    "dist_init_timeout": (["--dist-init-timeout", "30"], 30.0),
+    "dist_timeout": (["--dist-timeout", "10"], 10.0),
 }
 
 
@@ -141,6 +147,9 @@ ALIASES = [
     (["--max-num-batched-tokens", "256"], "max_batch_input_tokens", 256),  # vLLM
     (["--max-batch-prefill-tokens", "256"], "max_batch_input_tokens", 256),  # TGI
     (["--skip-server-warmup"], "skip_warmup", True),  # SGLang
+    (["--tp", "2"], "tensor_parallel_size", 2),  # SGLang
+    (["--tp-size", "2"], "tensor_parallel_size", 2),  # SGLang
+    (["--num-shard", "2"], "tensor_parallel_size", 2),  # TGI
 ]
 
 

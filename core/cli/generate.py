@@ -38,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
     from fw.sampling.params import SamplingParams
 
     config = resolve_config(cli=vars(args), config_file=args.config)
+    if config.node_rank > 0:  # this machine runs tensor-parallel workers only; node 0 generates
+        from fw.distributed.node import run_node
+
+        return run_node(config)
     if config.model is None:
         config.model = default_model()
     params = SamplingParams(

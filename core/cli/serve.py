@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
     engine_config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))
     server_config = resolve_config(cli=vars(args), config_file=args.config, cls=ServerConfig,
                                    shares_file_with=(EngineConfig,))
+    if engine_config.node_rank > 0:  # this machine runs tensor-parallel workers only; node 0 serves
+        from fw.distributed.node import run_node
+
+        return run_node(engine_config)
     # before the imports and the model load: a port in use fails in a fraction of a second
     sock = listening_socket(server_config.host, server_config.port)
 

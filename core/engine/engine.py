@@ -15,6 +15,7 @@ import time
 import torch
 
 from fw.config import EngineConfig, parse_size
+from fw.distributed.cluster import Cluster
 from fw.engine.block_manager import BlockManager
 from fw.engine.cpu_runtime import release_load_memory, tune_malloc
 from fw.engine.detokenizer import IncrementalDetokenizer
@@ -72,7 +73,9 @@ class LLMEngine:
         # --speculative-config: a bad method or option fails here, before any weight is read
         spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.speculator = Speculator(spec_config, self.plugins.registry("proposer")) if spec_config else None
-        loaded = self.loaded = load_model(config, self.plugins)
+        # --tensor-parallel-size > 1: the other ranks started and joined, this process is rank 0 (fw.distributed)
+        self.cluster = Cluster.start(config, self.plugins)
+        loaded = self.loaded = load_model(config, self.plugins, self.cluster.tp if self.cluster else None)
         self.tokenizer = loaded.tokenizer
         self.max_length = loaded.max_length
         self.vocab_size = loaded.hf_config.vocab_size
@@ -86,6 +89,8 @@ class LLMEngine:
             self.blocks = BlockManager(num_blocks, page, caching)
             self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, page,
                                       loaded.dtype, loaded.device)
+            if self.cluster is not None:  # the workers allocate as many pages and follow every forward step
+                self.cluster.drive(self.runner, num_blocks)
         if loaded.device.type == "cpu":
             release_load_memory()
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_batch_input_tokens, config.chunk_size)

@@ -10,7 +10,7 @@ import dataclasses
 
 from fw.config import EngineConfig
 from fw.engine.engine import LLMEngine
-from fw.errors import ConfigError
+from fw.errors import ConfigError, UnsupportedConfigurationError
 from fw.model_loader.loader import model_config
 from fw.model_loader.source import resolve_model
 from fw.plugins.manager import PluginManager
@@ -41,5 +41,9 @@ def create_engine(config: EngineConfig, plugins: PluginManager | None = None) ->
     task = resolve_task(config, arch)
     config = dataclasses.replace(config, task=task)
     if arch.task == "embed":
+        if config.tensor_parallel_size > 1:  # fw.distributed splits decoders (LLMEngine) only
+            raise UnsupportedConfigurationError(
+                f"--tensor-parallel-size {config.tensor_parallel_size}: the {arch.name} architecture is an encoder, "
+                f"and encoders run in one process; use --tensor-parallel-size 1")
         return EncoderEngine(config, plugins)
     return LLMEngine(config, plugins)

@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fw.distributed.group import tensor_parallel_of
+from fw.errors import UnsupportedConfigurationError
 from fw.layers.attention import Attention
 from fw.layers.context import ModelContext
-from fw.layers.linear import Linear
 from fw.layers.norm import RMSNorm
+from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from fw.layers import cpu_ops, dense
 from fw.layers.rotary import RotaryEmbedding, rotate_heads_
 
@@ -46,7 +48,10 @@ class SelfAttention(nn.Module):
     Options cover the families fw ships: projection biases (Qwen2), per-head
     QK RMSNorm before rotary (Qwen3, Gemma 3), a custom softmax scale (Gemma's
     `query_pre_attn_scalar`), a sliding window (Mistral, Gemma 2/3) and
-    attention-logit soft-capping (Gemma 2)."""
+    attention-logit soft-capping (Gemma 2).
+
+    With tensor parallelism (fw.distributed) each rank computes num_heads / tp query heads and
+    num_kv_heads / tp KV heads, their q/k/v columns and o_proj rows; o_proj sums over the ranks."""
 
     def __init__(
         self,
@@ -66,11 +71,19 @@ class SelfAttention(nn.Module):
         logit_softcap: float | None = None,
     ):
         super().__init__()
+        tp = tensor_parallel_of(ctx).size
+        if num_heads % tp or num_kv_heads % tp:
+            raise UnsupportedConfigurationError(
+                f"--tensor-parallel-size {tp}: the model has {num_heads} attention heads and {num_kv_heads} KV "
+                f"heads, and both must divide by the tensor-parallel size; choose one that divides both "
+                f"(fw splits attention by heads)")
         self.head_dim = head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = Linear(hidden_size, [self.q_size, self.kv_size, self.kv_size], ctx,
-                               f"{prefix}.qkv_proj", bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden_size, ctx, f"{prefix}.o_proj", bias=o_bias)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = ColumnParallelLinear(hidden_size, [q_size, kv_size, kv_size], ctx, f"{prefix}.qkv_proj",
+                                             bias=qkv_bias)
+        self.o_proj = RowParallelLinear(q_size, hidden_size, ctx, f"{prefix}.o_proj", bias=o_bias)
+        self.q_size, self.kv_size = q_size // tp, kv_size // tp  # this rank's
+        num_heads, num_kv_heads = num_heads // tp, num_kv_heads // tp
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, ctx.dtype, qk_norm_weight_offset)
@@ -94,20 +107,22 @@ class SelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one projection."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one projection. With tensor parallelism
+    each rank holds intermediate_size / tp of gate and up (column-parallel) and of down's inputs
+    (row-parallel, summed over the ranks)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, ctx: ModelContext, prefix: str, *,
                  hidden_act: str = "silu", bias: bool = False):
         super().__init__()
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"MLP activation {hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
-        self.inter = intermediate_size
         self.act = ACTIVATIONS[hidden_act]
         self.fusable = hidden_act in ("silu", "swish")  # cpu_ops.silu_mul
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size, intermediate_size], ctx,
-                                   f"{prefix}.gate_up_proj", bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], ctx,
+                                                 f"{prefix}.gate_up_proj", bias=bias)
         self.gate_up_proj.silu_gate_up = self.fusable
-        self.down_proj = Linear(intermediate_size, hidden_size, ctx, f"{prefix}.down_proj", bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, f"{prefix}.down_proj", bias=bias)
+        self.inter = self.down_proj.input_size  # this rank's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = getattr(self.gate_up_proj, "weight", None)

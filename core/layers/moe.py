@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.devices import cuda_capability
-from fw.errors import ConfigError, ModelLoadError
+from fw.distributed.group import tensor_parallel_of
+from fw.errors import ConfigError, ModelLoadError, UnsupportedConfigurationError
 from fw.layers.blocks import ACTIVATIONS, GatedMLP
 from fw.layers.context import ModelContext
 from fw.layers.weights import load_named_weights
@@ -101,6 +102,10 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, ctx: ModelContext,
                  prefix: str, *, hidden_act: str = "silu"):
         super().__init__()
+        if tensor_parallel_of(ctx).size > 1:
+            raise UnsupportedConfigurationError(
+                f"--tensor-parallel-size {tensor_parallel_of(ctx).size}: {prefix} is a Mixture-of-Experts layer, "
+                f"and fw does not split experts across ranks yet; use --tensor-parallel-size 1")
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"MoE expert activation {hidden_act!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")

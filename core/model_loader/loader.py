@@ -12,6 +12,8 @@ import torch
 
 from fw.config import EngineConfig
 from fw.devices import cuda_capability
+from fw.distributed.checks import check_model_is_split
+from fw.distributed.group import CONTEXT_KEY as TP_CONTEXT_KEY, TensorParallel
 from fw.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError, UnsupportedConfigurationError
 from fw.layers import cpu_ops, dense, packed_int
 from fw.layers.context import ModelContext
@@ -172,7 +174,9 @@ def attention_requirements(cfg: EngineConfig, hf_config, dtype: torch.dtype,
     )
 
 
-def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
+def load_model(cfg: EngineConfig, plugins: PluginManager, tensor_parallel: TensorParallel | None = None) -> LoadedModel:
+    """`tensor_parallel`: this process's rank of a --tensor-parallel-size group (fw.distributed); the
+    layers then hold only this rank's shard of the weights."""
     lap = startup.laps()
     source = resolve_model(cfg.model, cfg.revision)
     device = resolve_device(cfg.device)
@@ -209,8 +213,12 @@ def load_model(cfg: EngineConfig, plugins: PluginManager) -> LoadedModel:
     ctx = ModelContext(dtype=dtype, device=device, attention_backend=attention.chosen.backend_cls,
                        linear_method=linear_method,
                        extra={"moe_kernel": MoeKernelChooser(plugins.registry("moe_kernel"), cfg.moe_backend)})
+    if tensor_parallel is not None:
+        ctx.extra[TP_CONTEXT_KEY] = tensor_parallel
     with torch.device("cpu"):
         model = arch.build(hf_config, ctx, max_length)
+    if tensor_parallel is not None:
+        check_model_is_split(model, arch.name, tensor_parallel.size)
     check_built_layers(model, attention.chosen)
     if quant_name is not None:
         warn_dense_experts(model, quant_name)

@@ -1,0 +1,78 @@
+"""Tensor-parallel linear layers: the weight split across the ranks of a `TensorParallel` group.
+
+Megatron's pairing: a column-parallel projection gives each rank a slice of the output features
+(its attention heads of a fused q/k/v, its columns of a fused gate/up), every rank then works on
+its slice alone, and a row-parallel projection (o_proj, down_proj) multiplies that slice by the
+matching rows of the input dimension and sums the partial products over the ranks with one
+all-reduce. One all-reduce per block, none between the two halves.
+
+Each rank keeps only its slice: the checkpoint tensor (memory-mapped by the safetensors reader)
+is narrowed before the copy. A row-parallel bias is added by rank 0's partial sum alone. At one
+rank both classes are plain `Linear`s. Only dense weights split for now: a quantization method
+packs rows and groups its own way, so it is refused by name rather than cut at a wrong boundary."""
+
+from __future__ import annotations
+
+import torch
+
+from fw.distributed.group import tensor_parallel_of
+from fw.errors import UnsupportedConfigurationError
+from fw.layers.linear import Linear, UnquantizedLinearMethod
+
+
+def _check_dense(layer: Linear) -> None:
+    if layer.tp.size > 1 and type(layer.method) is not UnquantizedLinearMethod:
+        raise UnsupportedConfigurationError(
+            f"--tensor-parallel-size {layer.tp.size}: {layer.prefix} uses the {type(layer.method).__name__} "
+            f"quantization method, whose packed weights fw does not split across ranks yet; serve a dense "
+            f"(bf16/fp32) checkpoint, or use --tensor-parallel-size 1")
+
+
+def _split(total: int, ranks: int, what: str, prefix: str) -> int:
+    if total % ranks:
+        raise UnsupportedConfigurationError(
+            f"--tensor-parallel-size {ranks}: {prefix} has {total} {what}, which do not divide by {ranks}; "
+            f"choose a tensor-parallel size that divides {total}")
+    return total // ranks
+
+
+class ColumnParallelLinear(Linear):
+    """Each rank holds rows [rank*n, (rank+1)*n) of every fused output shard (so a fused q/k/v
+    keeps q, k and v contiguous on each rank). `output_sizes` are the whole model's; the layer's
+    own `output_sizes` are its rank's."""
+
+    def __init__(self, input_size: int, output_sizes: int | list[int], ctx, prefix: str, bias: bool = False):
+        tp = tensor_parallel_of(ctx)
+        sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        local = [_split(s, tp.size, "output features", prefix) for s in sizes]
+        super().__init__(input_size, local, ctx, prefix, bias)
+        self.tp = tp
+        _check_dense(self)
+
+    def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if self.tp.size > 1:
+            size = self.output_size if shard is None else self.output_sizes[shard]
+            tensor = tensor.narrow(0, self.tp.rank * size, size)
+        super().load_weight(param_name, tensor, shard)
+
+
+class RowParallelLinear(Linear):
+    """Each rank holds input columns [rank*n, (rank+1)*n) and the output is summed over the ranks.
+    `input_size` is the whole model's."""
+
+    def __init__(self, input_size: int, output_size: int, ctx, prefix: str, bias: bool = False):
+        tp = tensor_parallel_of(ctx)
+        super().__init__(_split(input_size, tp.size, "input features", prefix), output_size, ctx, prefix, bias)
+        self.tp = tp
+        _check_dense(self)
+
+    def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if self.tp.size > 1:
+            if param_name == "bias":  # summed over ranks: only rank 0 adds it
+                tensor = tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+            else:
+                tensor = tensor.narrow(1, self.tp.rank * self.input_size, self.input_size)
+        super().load_weight(param_name, tensor, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.method.apply(self, x))
