@@ -251,3 +251,18 @@ def test_decoder_task_is_one_or_the_other(llm, gqa_dir):
     with pytest.raises(InvalidRequestError, match="served for embeddings"):
         embedder.generate("Once upon a time", SamplingParams(max_tokens=2))
     assert embedder.engine.pooling.method == "last"  # a decoder's default
+
+
+def test_doctor_says_what_an_encoder_runs_with(capsys, bert_dir):
+    import json as json_module
+
+    from fw.cli.main import main
+
+    assert main(["doctor", "--json", "--model", str(bert_dir)]) == 0
+    report = json_module.loads(capsys.readouterr().out)
+    resolved = {row["name"]: row["resolved"]["value"] for row in report["config"] if "resolved" in row}
+    assert (resolved["task"], resolved["pooling"], resolved["normalize_embeddings"]) == ("embed", "mean", True)
+    assert resolved["max_length"] == 64  # sentence_bert_config.json's max_seq_length
+    assert "BidirectionalAttention" in report["selections"]["attention_backend"]["skipped"]
+    assert main(["doctor", "--model", str(bert_dir), "--task", "generate"]) != 0
+    assert "encoder-only embedding model" in capsys.readouterr().out

@@ -122,6 +122,7 @@ class Diagnosis:
         if self._model() and self._device() and self._architecture():
             self._tokenizer()
             self._dtype_and_length()
+            self._task()
             self._attention()
             self._moe()
             self._quantization()
@@ -344,6 +345,38 @@ class Diagnosis:
         elif cfg.max_length > model_max:
             self.problem(f"--max-length {cfg.max_length} exceeds the model's context length {model_max}")
 
+    def _task(self) -> None:
+        """--task against the architecture (fw.engine.factory), and under embed the pooling the engine will
+        use (fw.pooling: --pooling, the sentence-transformers files, the architecture's default)."""
+        from fw.engine.factory import resolve_task
+        from fw.pooling.config import resolve_pooling
+
+        try:
+            task = resolve_task(self.config, self.arch)
+        except FwError as exc:
+            self.problem(str(exc))
+            return
+        if self.config.task == "auto":
+            self.resolve("task", task, "model", f"auto: the {self.arch.name} architecture's task")
+        if task != "embed":
+            return
+        try:
+            pooling = resolve_pooling(self.config.pooling, self.config.normalize_embeddings, self.hf_config,
+                                      self.source.path if self.source.kind == "directory" else None,
+                                      self.arch.default_pooling)
+        except FwError as exc:
+            self.problem(str(exc))
+            return
+        if self.config.pooling == "auto":
+            self.resolve("pooling", pooling.method, "model", pooling.source)
+        if self.config.normalize_embeddings is None:
+            self.resolve("normalize_embeddings", pooling.normalize, "model", pooling.source)
+        limit = self.resolved.get("max_length", {}).get("value")
+        if self.arch.task == "embed" and self.config.max_length is None and pooling.max_seq_length and limit:
+            self.resolve("max_length", min(pooling.max_seq_length, limit), "model",
+                         "sentence-transformers' max_seq_length (sentence_bert_config.json): the longest input "
+                         "the encoder embeds")
+
     def _by_priority(self, kind: str, option: str, req: Any, select: Callable) -> dict:
         """Attention backends and MoE kernels: every candidate with its reasons, the named one or
         auto's choice, and for a named one that cannot run, what auto would choose instead."""
@@ -406,6 +439,10 @@ class Diagnosis:
         from fw.model_loader.loader import attention_requirements
         from fw.plugins.selection import select_attention_backend
 
+        if self.arch.task == "embed":  # as the loader: no backend is selected for an encoder
+            self.skipped("attention_backend", "an encoder-only model: it attends within each input with "
+                         "fw.layers.BidirectionalAttention, with no KV cache and no attention backend plugin")
+            return
         req = attention_requirements(self.config, self.hf_config, self.dtype, self.device)
         section = self._by_priority("attention_backend", "attention_backend", req, select_attention_backend)
         section["requirements"] = _requirements(req)
