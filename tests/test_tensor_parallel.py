@@ -241,3 +241,35 @@ def test_a_node_started_with_other_options_is_refused_naming_the_option(gqa_dir)
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+# -- the shared-memory all-reduce (fw.distributed.shm) ---------------------------------------------
+
+
+def test_shared_memory_all_reduce_sums_in_pieces_and_gives_every_rank_the_same_bits(tmp_path):
+    """Two ranks as two threads of this process (the protocol does not care), slots far smaller than
+    the tensor so it goes through in pieces, over more calls than the two slot sets."""
+    from fw.distributed.shm import ShmAllReduce, supported
+
+    if not supported():
+        pytest.skip("the shared-memory all-reduce runs on x86-64 only")
+    path = str(tmp_path / "shm")
+    ranks = [ShmAllReduce(path, 0, 2, 5.0, create=True, slot_bytes=64), ShmAllReduce(path, 1, 2, 5.0, slot_bytes=64)]
+    inputs = [[torch.randn(3, 33, generator=torch.Generator().manual_seed(10 * r + k)).to(torch.bfloat16)
+               for k in range(3)] for r in range(2)]
+    outputs = [[], []]
+
+    def run(rank: int) -> None:
+        for x in inputs[rank]:
+            outputs[rank].append(ranks[rank].all_reduce(x.clone()))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for k in range(3):
+        assert torch.equal(outputs[0][k], inputs[0][k] + inputs[1][k])
+        assert torch.equal(outputs[0][k].view(torch.int16), outputs[1][k].view(torch.int16))
+    with pytest.raises(TimeoutError, match="rank 1 did not reach all-reduce"):  # the peer never comes
+        ShmAllReduce(str(tmp_path / "alone"), 0, 2, 0.2, create=True, slot_bytes=64).all_reduce(torch.ones(4))

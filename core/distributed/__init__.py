@@ -6,11 +6,15 @@ fed each step by a broadcast of that step's integer tensors from rank 0 (`step.p
 happens once, on rank 0, so ranks cannot disagree about a token.
 
 - `group.py`: `TensorParallel`, a rank's group and its all-reduce (what the layers see)
+- `shm.py`: the all-reduce of one machine's CPU ranks, through shared memory (gloo's costs 30x more)
 - `rendezvous.py`: the meeting point (a TCPStore), join deadlines, per-rank error reports
 - `step.py`: the per-step wire format (a fixed header, then one int64 tensor)
-- `cluster.py`: rank 0's side: spawning local workers, watching them, driving each step
-- `worker.py`: the other ranks' side, and a node that runs only workers (--node-rank > 0)
+- `cluster.py`: rank 0's side: starting the ranks, watching this node's workers, driving each step
+- `processes.py`: spawning and stopping this node's worker processes
+- `worker.py`: the other ranks' side: load a shard, then step as told
+- `node.py`: a machine that runs only workers (--node-rank > 0)
 - `checks.py`: what cannot be split, refused before any process starts
+- `threads.py`: each rank's cores and torch threads
 
 This package's __init__ imports nothing: the layers import `group` while the engine imports
 `cluster`, which imports the loader, which imports the layers.

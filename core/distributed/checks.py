@@ -42,6 +42,9 @@ def check_config(config: EngineConfig, hf_config, arch, source_kind: str = "dire
     if str(config.device).startswith("cuda:"):
         raise _refuse(tp, f"--device {config.device} names one GPU, but rank r uses cuda:r of its node; "
                           f"give --device cuda (CUDA_VISIBLE_DEVICES chooses which GPUs)")
+    if getattr(config, "enable_lora", False):
+        raise _refuse(tp, "LoRA adapters are not split across ranks yet; drop --enable-lora or use "
+                          "--tensor-parallel-size 1")
     if arch.fallback:
         raise _refuse(tp, f"the {arch.name} fallback runs transformers' own modules, which fw cannot split; "
                           f"use a model a native architecture plugin runs, or --tensor-parallel-size 1")

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 
 from fw.config import EngineConfig
-from fw.distributed import rendezvous, step
+from fw.distributed import rendezvous, shm, step
 from fw.distributed.checks import check_config, check_layout
 from fw.distributed.group import TensorParallel
 from fw.distributed.processes import STOP_WAIT_S, describe_exit, spawn_workers, stop_processes
@@ -41,7 +41,8 @@ class Cluster:
         self.config = config
         self.world = config.tensor_parallel_size
         self.store, self.addr, self.procs = store, addr, procs
-        self.group = None  # gloo: the step broadcast, and the all-reduces on the CPU
+        self.group = None  # gloo: the step broadcast, and the all-reduces on the CPU without `local`
+        self.local = None  # the shared-memory all-reduce of a single machine's CPU ranks (fw.distributed.shm)
         self.tp: TensorParallel | None = None
         self.failure: str | None = None  # set once a rank is lost: every later step raises it
         self.stepping = False  # the workers are in their step loop (a STOP can reach them)
@@ -75,13 +76,16 @@ class Cluster:
             except DistributedError as exc:
                 rendezvous.release(store, str(exc))
                 raise
+            cluster.local = shm.create(store, world, config.dist_timeout) if shm.wanted(config) else None
             rendezvous.release(store)
             bind_rank(0, local_ranks, config.num_threads)
             cluster.group = rendezvous.gloo_group(store, 0, world, config.dist_timeout,
                                                   rendezvous.split_addr(addr)[0])
+            shm.unlink(cluster.local)  # every rank mapped it before joining the group
             reduce = rendezvous.device_group(store, 0, world, config.dist_timeout,
                                              resolve_device(config.device).type, cluster.group)
-            cluster.tp = TensorParallel(0, world, reduce, on_failure=cluster.lost)
+            cluster.tp = TensorParallel(0, world, reduce, on_failure=cluster.lost, local=cluster.local,
+                                        check=cluster.raise_if_failed)
         except BaseException:
             cluster.close()
             raise
@@ -114,8 +118,13 @@ class Cluster:
     # -- failures ------------------------------------------------------------------------
 
     def raise_if_failed(self) -> None:
+        """Raise the failure once there is one (a worker of this node that ended counts): cheap, called
+        before each step and every millisecond of a shared-memory all-reduce's wait."""
         if self.failure is None:
             self._note_dead_workers()
+            if self.failure is not None:
+                logger.error("%s", self.failure)
+                self._stop_workers()  # the others would wait for the lost rank until --dist-timeout
         if self.failure is not None:
             raise DistributedError(self.failure)
 
@@ -171,7 +180,8 @@ class Cluster:
                 pass
         self.closed = True
         self._stop_workers()
-        self.group = self.tp = None
+        shm.unlink(self.local)
+        self.group = self.tp = self.local = None
         atexit.unregister(self.close)
 
     def _stop_workers(self) -> None:
@@ -185,12 +195,13 @@ def _check_model(config: EngineConfig, plugins) -> None:
 
 
 def _watch(ref: "weakref.ref[Cluster]", procs: dict) -> None:
-    """Wait for any worker to end; unless the cluster is closing, log it and mark the cluster failed
-    so the next step raises at once. Holds the cluster only weakly."""
+    """Wait for any worker to end; unless the cluster is closing, mark the cluster failed (so the next
+    step raises at once), log it and stop the other workers. Holds the cluster only weakly."""
     multiprocessing.connection.wait([p.sentinel for p in procs.values()])
     cluster = ref()
     if cluster is None or cluster.closed or cluster.failure is not None:
         return
-    cluster._note_dead_workers()
-    if cluster.failure is not None:
-        logger.error("%s", cluster.failure)
+    try:
+        cluster.raise_if_failed()  # logs the failure and stops the other workers
+    except DistributedError:
+        pass

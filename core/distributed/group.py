@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from fw.errors import DistributedError
+
 # ModelContext.extra key under which the loader hands the group to the layers
 CONTEXT_KEY = "tensor_parallel"
 
@@ -27,13 +29,24 @@ class TensorParallel:
     size: int = 1
     group: Any = None
     on_failure: Callable[[BaseException], BaseException] | None = None
+    # ranks on one machine's CPU: the shared-memory all-reduce (fw.distributed.shm) instead of `group`,
+    # and what its wait calls every millisecond (rank 0: raises when a worker died)
+    local: Any = None
+    check: Callable[[], None] | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group in place and return it. Every rank gets the same bits."""
         if self.size == 1:
             return x
         try:
-            self.group.allreduce([x]).wait()
+            if self.local is None:
+                self.group.allreduce([x]).wait()
+            elif x.is_contiguous():
+                self.local.all_reduce(x, self.check)
+            else:
+                x.copy_(self.local.all_reduce(x.contiguous(), self.check))
+        except DistributedError:
+            raise
         except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with socket-level text
             raise (self.on_failure(exc) if self.on_failure is not None else exc) from exc
         return x

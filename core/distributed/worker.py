@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 
 from fw.config import EngineConfig
-from fw.distributed import rendezvous, step
+from fw.distributed import rendezvous, shm, step
 from fw.distributed.group import TensorParallel
 from fw.distributed.threads import bind_rank
 from fw.engine.model_runner import ModelRunner
@@ -53,6 +53,7 @@ def run_worker(config: EngineConfig, rank: int, addr: str, local_rank: int, loca
         store = rendezvous.reach_store(addr, rank, config.dist_init_timeout)
         rendezvous.announce(store, rank, config)
         rendezvous.wait_for_release(store, rank, config.dist_init_timeout)
+        local = shm.attach(store, rank, config.tensor_parallel_size, config.dist_timeout)  # before the group forms
         bind_rank(local_rank, local_ranks, config.num_threads)
         if resolve_device(config.device).type == "cuda":  # rank r of a node on its GPU r
             config = dataclasses.replace(config, device=f"cuda:{local_rank}")
@@ -60,7 +61,7 @@ def run_worker(config: EngineConfig, rank: int, addr: str, local_rank: int, loca
         world = config.tensor_parallel_size
         group = rendezvous.gloo_group(store, rank, world, config.dist_timeout, rendezvous.split_addr(addr)[0])
         reduce = rendezvous.device_group(store, rank, world, config.dist_timeout, config.device, group)
-        Worker(config, rank, group, reduce).run()
+        Worker(config, rank, group, reduce, local).run()
         code = 0
     except FwError as exc:
         rendezvous.report_error(store, rank, str(exc))
@@ -76,11 +77,12 @@ def run_worker(config: EngineConfig, rank: int, addr: str, local_rank: int, loca
 
 
 class Worker:
-    """`group`: gloo, for rank 0's step broadcasts; `reduce`: the model's all-reduces (gloo or NCCL)."""
+    """`group`: gloo, for rank 0's step broadcasts; `reduce`: the model's all-reduces (gloo or NCCL), or
+    `local`, the shared-memory all-reduce, when rank 0 offered one."""
 
-    def __init__(self, config: EngineConfig, rank: int, group, reduce):
+    def __init__(self, config: EngineConfig, rank: int, group, reduce, local=None):
         self.config, self.rank, self.group = config, rank, group
-        self.tp = TensorParallel(rank, config.tensor_parallel_size, reduce, on_failure=self._lost)
+        self.tp = TensorParallel(rank, config.tensor_parallel_size, reduce, on_failure=self._lost, local=local)
 
     def _lost(self, exc: BaseException) -> DistributedError:
         return DistributedError(f"rank {self.rank}: a collective failed, rank 0 or a peer is gone "
