@@ -30,6 +30,7 @@ from fw.model_loader.loader import resolve_device
 _FLAGS_BYTES = 4096
 SLOT_BYTES = 4 << 20  # per rank and slot set: a 2048-token prefill chunk of a 1024-wide model in fp32
 _CHECK_EVERY_S = 0.001
+_SPIN_S = 50e-6  # then yield the core while waiting
 
 
 def supported() -> bool:
@@ -74,23 +75,28 @@ class ShmAllReduce:
             out.add_(slots[r].view(dtype))
 
     def _wait(self, seq: int, check) -> None:
+        """Spin until every rank published `seq`. Past the first ~50 us each round of spins gives the
+        core away (sched_yield): a late rank that lost its core to another process then gets it back
+        within microseconds instead of at the end of this process's time slice."""
         flags, started, next_check = self.flags, None, 0.0
         for r in range(self.world):
             spins = 0
             while flags[r] < seq:
                 spins += 1
-                if spins & 1023:
+                if spins & 255:
                     continue
                 now = time.monotonic()
                 if started is None:
                     started, next_check = now, now + _CHECK_EVERY_S
-                elif now - started > self.timeout_s:
+                    continue
+                if now - started > self.timeout_s:
                     raise TimeoutError(f"rank {r} did not reach all-reduce {seq} within {self.timeout_s:g} s")
-                elif now >= next_check:
+                if now >= next_check:
                     if check is not None:
                         check()
                     next_check = now + _CHECK_EVERY_S
-                    os.sched_yield()  # ranks sharing a core let the late one run
+                if now - started > _SPIN_S:
+                    os.sched_yield()
 
     def close(self) -> None:
         self.flags.release()
