@@ -273,3 +273,22 @@ def test_shared_memory_all_reduce_sums_in_pieces_and_gives_every_rank_the_same_b
         assert torch.equal(outputs[0][k].view(torch.int16), outputs[1][k].view(torch.int16))
     with pytest.raises(TimeoutError, match="rank 1 did not reach all-reduce"):  # the peer never comes
         ShmAllReduce(str(tmp_path / "alone"), 0, 2, 0.2, create=True, slot_bytes=64).all_reduce(torch.ones(4))
+
+
+def test_a_worker_that_fails_to_load_is_reported_with_its_own_message(gqa_dir, tmp_path):
+    """A custom architecture (loaded by every rank from the same flag) that fails on rank 1 only."""
+    (tmp_path / "rank_one_fails.py").write_text(
+        "from fw.architectures.llama import build\n"
+        "from fw.distributed.group import tensor_parallel_of\n"
+        "from fw.plugins import ArchitectureSpec\n\n"
+        "def build_or_fail(cfg, ctx, max_positions=None):\n"
+        "    if tensor_parallel_of(ctx).rank == 1:\n"
+        "        raise RuntimeError('rank one cannot build this model')\n"
+        "    return build(cfg, ctx, max_positions)\n\n"
+        "ARCHITECTURES = [ArchitectureSpec(name='failing-llama', hf_architectures=('LlamaForCausalLM',),\n"
+        "                                  build=build_or_fail)]\n")
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"worker rank 1 \(pid \d+\) exited with code 1: RuntimeError: rank one "
+                                               r"cannot build this model"):
+        make_llm(gqa_dir, tensor_parallel_size=2, custom_architectures=[str(tmp_path / "rank_one_fails.py")])
+    assert time.monotonic() - start < 20
