@@ -13,6 +13,8 @@ _LAZY = {
     "CompletionOutput": "fw.engine.outputs",
     "Logprob": "fw.engine.outputs",
     "EngineConfig": "fw.config",
+    "LoRARequest": "fw.lora.request",
+    "PoolingParams": "fw.pooling.params",
 }
 
 __all__ = ["__version__", "PLUGIN_API_VERSION", *_LAZY]

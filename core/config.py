@@ -127,6 +127,16 @@ class EngineConfig:
     normalize_embeddings: bool | None = field(default=None, metadata=_opt(
         "With --task embed: scale embeddings to unit length. Default: as the model's sentence-transformers "
         "modules.json says (a Normalize module), else yes."))
+    enable_lora: bool = field(default=False, metadata=_opt(
+        "Serve LoRA adapters (PEFT format) over the base model: requests name one (the model field of a server "
+        "request, LLM.generate's lora_request) and a batch mixes the base model and several adapters; "
+        "--lora-modules turns it on too. docs/lora.md."))
+    lora_modules: list[str] = field(default_factory=list, metadata=_opt(
+        "LoRA adapters loaded at start, NAME=PATH (a PEFT adapter directory; repeatable); the server lists "
+        "each under its name in /v1/models.", repeatable=True))
+    max_loras: int = field(default=8, metadata=_opt(
+        "LoRA adapters loaded at once (every loaded adapter may run in any step); loading more is refused."))
+    max_lora_rank: int = field(default=64, metadata=_opt("Largest LoRA rank an adapter may have."))
     custom_architectures: list[str] = field(default_factory=list, metadata=_opt(
         "Extra architectures: DIR:MODULE, FILE.py or a dotted module exposing ARCHITECTURES (repeatable).",
         repeatable=True))
@@ -185,6 +195,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.compile_mode is not None and self.enable_torch_compile is False:
             self.enable_torch_compile = True  # --compile-mode alone turns compilation on
+        if self.lora_modules and not self.enable_lora:
+            self.enable_lora = True  # naming adapters to load turns LoRA on
         self.device = _device_name(self.device)
         self.validate()
 
@@ -208,6 +220,14 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-memory: {exc}") from None
         if self.model_impl not in MODEL_IMPLS:
             raise ConfigError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}; got {self.model_impl!r}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(f"--max-loras and --max-lora-rank must be at least 1, got {self.max_loras} and "
+                              f"{self.max_lora_rank}")
+        if self.enable_lora and self.enable_torch_compile:
+            raise ConfigError("--enable-lora does not run with --enable-torch-compile yet; drop one of the two")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ConfigError("--enable-lora does not run with --tensor-parallel-size > 1 yet (adapters would need "
+                              "splitting like the layers they update)")
         if self.task not in TASKS:
             raise ConfigError(f"--task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.pooling not in POOLINGS:

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 from fw.config import resolve_config
 from fw.engine.factory import create_engine
 from fw.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from fw.lora.request import LoRARequest
 from fw.plugins.manager import PluginManager
 from fw.pooling.params import PoolingParams
 from fw.sampling.params import SamplingParams
@@ -40,10 +41,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts together (continuously batched); outputs come back in prompt order.
 
-        A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}.
+        `lora_request` runs them with a LoRA adapter (one for all, or one per prompt; None: the base
+        model), on an engine made with enable_lora=True."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -55,10 +59,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params):
-                ids.append(self._add(prompt, sp))
+            for prompt, sp, lora in zip(prompts, params, loras):
+                ids.append(self._add(prompt, sp, lora_request=lora))
         except Exception:
             for request_id in ids:  # all or nothing: no prompt before the rejected one stays queued
                 self.engine.abort_request(request_id)
@@ -101,11 +108,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None) -> dict[str, Any]:
@@ -113,11 +121,12 @@ class LLM:
 
         return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Yield one request's outputs as they grow; each carries only the new text and tokens.
 
         Closing the generator early aborts the request and frees its KV pages."""
-        request_id = self._add(prompt, sampling_params or SamplingParams(), delta=True)
+        request_id = self._add(prompt, sampling_params or SamplingParams(), delta=True, lora_request=lora_request)
         done = False
         try:
             while not done:
@@ -131,13 +140,15 @@ class LLM:
             if not done:
                 self.engine.abort_request(request_id)
 
-    def _add(self, prompt: Prompt, params: SamplingParams | PoolingParams, delta: bool = False) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams | PoolingParams, delta: bool = False,
+             lora_request: LoRARequest | None = None) -> str:
+        extra = {"lora_request": lora_request} if lora_request is not None else {}  # the encoder engine has none
         if isinstance(prompt, str):
-            return self.engine.add_request(prompt=prompt, params=params, delta=delta).request_id
+            return self.engine.add_request(prompt=prompt, params=params, delta=delta, **extra).request_id
         if isinstance(prompt, dict):
             return self.engine.add_request(prompt=prompt.get("prompt"), prompt_token_ids=prompt.get("prompt_token_ids"),
-                                           params=params, delta=delta).request_id
-        return self.engine.add_request(prompt_token_ids=list(prompt), params=params, delta=delta).request_id
+                                           params=params, delta=delta, **extra).request_id
+        return self.engine.add_request(prompt_token_ids=list(prompt), params=params, delta=delta, **extra).request_id
 
     def _run(self, request_ids: list[str]) -> list:
         pending = set(request_ids)

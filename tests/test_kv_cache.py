@@ -279,8 +279,8 @@ def test_page_keys_are_chained_sha256_digests():
 
     from fw.engine.block_manager import BlockManager
 
-    def keys(token_ids: list[int]) -> list[bytes]:
-        seq = SimpleNamespace(token_ids=token_ids, block_hashes=[])
+    def keys(token_ids: list[int], salt: bytes = b"") -> list[bytes]:
+        seq = SimpleNamespace(token_ids=token_ids, block_hashes=[], request=SimpleNamespace(cache_salt=salt))
         BlockManager(8, PAGE, enable_prefix_caching=True)._hash_blocks(seq, len(token_ids))
         return seq.block_hashes
 
@@ -290,3 +290,7 @@ def test_page_keys_are_chained_sha256_digests():
     assert got == [first, hashlib.sha256(first + array("q", tokens[4:8]).tobytes()).digest()]
     changed = keys([999] + tokens[1:])
     assert changed[0] != got[0] and changed[1] != got[1]  # same second page, other prefix: another key
+    # a request's cache salt (its LoRA adapter, fw.lora) starts the chain: the same tokens, other keys
+    salted = keys(tokens, b"lora:0:a")
+    assert salted[0] == hashlib.sha256(b"lora:0:a" + array("q", tokens[:4]).tobytes()).digest()
+    assert salted[1] != got[1]

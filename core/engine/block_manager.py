@@ -58,7 +58,7 @@ class BlockManager:
         """Extend seq.block_hashes to cover the full pages among its first `upto_tokens` tokens."""
         p = self.page_size
         for i in range(len(seq.block_hashes), upto_tokens // p):
-            digest = hashlib.sha256(seq.block_hashes[i - 1] if i else b"")
+            digest = hashlib.sha256(seq.block_hashes[i - 1] if i else seq.request.cache_salt)
             digest.update(array("q", seq.token_ids[i * p:(i + 1) * p]).tobytes())
             seq.block_hashes.append(digest.digest())
 

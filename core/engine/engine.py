@@ -28,6 +28,7 @@ from fw.grammar.service import GrammarService, SequenceGrammar
 from fw.grammar.tokenizer import GrammarTokenizer
 from fw.model_loader.loader import load_model, resolve_device
 from fw.plugins.manager import PluginManager, get_plugin_manager
+from fw.lora.request import LoRARequest
 from fw.pooling.config import READS_EVERY_POSITION, engine_pooling
 from fw.pooling.params import PoolingParams
 from fw.pooling.pooler import PoolingState, finish
@@ -91,6 +92,8 @@ class LLMEngine:
                                       loaded.dtype, loaded.device)
             if self.cluster is not None:  # the workers allocate as many pages and follow every forward step
                 self.cluster.drive(self.runner, num_blocks)
+        # --enable-lora: adapters on the base model's linear layers, named per request (fw.lora)
+        self.lora = self._start_lora(config, loaded)
         if loaded.device.type == "cpu":
             release_load_memory()
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_batch_input_tokens, config.chunk_size)
@@ -109,6 +112,17 @@ class LLMEngine:
             from fw.compile import attach
 
             attach(self)
+
+    def _start_lora(self, config: EngineConfig, loaded):
+        if not config.enable_lora:
+            return None
+        from fw.lora.manager import LoRAManager, parse_lora_modules  # here: only LoRA engines pay for it
+
+        lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, loaded.dtype, loaded.device)
+        for name, path in parse_lora_modules(config.lora_modules):
+            lora.add(name, path)
+        self.runner.lora = lora
+        return lora
 
     def _num_blocks_from_budget(self, page: int) -> int:
         loaded = self.loaded
@@ -150,6 +164,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         if self.pooling is not None or isinstance(params, PoolingParams):
             return self._add_embedding_request(request_id, prompt, prompt_token_ids, params)
@@ -171,6 +186,8 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compile errors refuse the request here
             grammar = self.grammar.new_grammar(params.structured_outputs)
         req = Request(request_id, prompt, ids, params, delta=delta)
+        if lora_request is not None:
+            self._attach_lora(req, lora_request)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         for i in range(params.n):
@@ -216,6 +233,31 @@ class LLMEngine:
         self.scheduler.add(req.seqs[0])
         self.requests[request_id] = req
         return req
+
+    # -- LoRA adapters (fw.lora, docs/lora.md) ------------------------------------------------
+
+    def _attach_lora(self, req: Request, lora: LoRARequest) -> None:
+        """Run `req` with the adapter: loaded now if it is new and has a path; an unknown name is a 404."""
+        manager = self._lora_manager()
+        if lora.name not in manager.slots and lora.path:
+            manager.add(lora.name, lora.path)
+        req.lora_name, req.cache_salt = lora.name, manager.cache_salt(lora.name)
+
+    def _lora_manager(self):
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters; start it with --enable-lora", param="model")
+        return self.lora
+
+    def add_lora(self, name: str, path: str) -> None:
+        self._lora_manager().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter no request is running with."""
+        users = sum(1 for r in self.requests.values() if r.lora_name == name)
+        if users:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it once they "
+                                      f"finish", param="lora_name")
+        self._lora_manager().remove(name)
 
     @property
     def max_sequence_tokens(self) -> int:

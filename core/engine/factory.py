@@ -31,6 +31,9 @@ def resolve_task(config: EngineConfig, arch: ArchitectureSpec) -> str:
     if arch.task == "embed" and config.task == "generate":
         raise ConfigError(f"--task generate: the {arch.name} architecture is an encoder-only embedding model; "
                           f"it serves embeddings (--task embed or auto), not text generation")
+    if arch.task == "embed" and config.enable_lora:
+        raise ConfigError(f"--enable-lora: LoRA adapters run on causal LMs; the {arch.name} architecture is an "
+                          f"encoder-only embedding model")
     return arch.task if config.task == "auto" else config.task
 
 

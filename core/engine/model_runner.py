@@ -63,6 +63,7 @@ class ModelRunner:
         self.device = device
         self._logits_buf: torch.Tensor | None = None
         self.compiled = None  # a fw.compile.CompiledStep with --enable-torch-compile (set by fw.compile.attach)
+        self.lora = None  # a fw.lora.LoRAManager with --enable-lora (set by the engine)
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
         # CPU: the thread count follows the cores other processes leave free (a busy neighbour otherwise
         # stalls every parallel region of the step); None elsewhere.
@@ -128,6 +129,8 @@ class ModelRunner:
         )
         with device_guard(self.device):
             meta.backend_state = self.backend.prepare(meta)
+            if self.lora is not None:  # fw.lora: which rows of the step run with which adapter
+                self.lora.prepare_step(seqs, num_new, self.device)
             hidden = self.model(ids, pos, meta) if self.compiled is None else self.compiled.forward(ids, pos, meta)
             prompt_logits, pool_rows = [], []
             for seq, n, start in zip(seqs, num_new, starts):

@@ -87,6 +87,10 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_done: bool = False
     pooling: PoolingState | None = None  # an embedding request (--task embed): its prompt's states pooled
+    lora_name: str | None = None  # the LoRA adapter it runs with (fw.lora); None: the base model
+    # where its pages' prefix-cache keys start: requests that compute the same tokens differently (another
+    # adapter) must not share pages
+    cache_salt: bytes = b""
 
     @property
     def finished(self) -> bool:

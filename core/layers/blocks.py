@@ -126,7 +126,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = getattr(self.gate_up_proj, "weight", None)
-        if weight is not None and dense.is_gate_up_bf16(weight):  # packed for the fused SiLU
+        # packed for the fused SiLU, unless the flag was cleared since (fw.lora: its updates come before the SiLU)
+        if weight is not None and self.gate_up_proj.silu_gate_up and dense.is_gate_up_bf16(weight):
             return self.down_proj.forward(dense.dense_silu_mul(x, weight))
         gate_up = self.gate_up_proj.forward(x)
         if self.fusable and cpu_ops.usable(gate_up):

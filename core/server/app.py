@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fw.errors import FwError
 from fw.server import body_errors, openapi, routes_chat, routes_completions, routes_misc, routes_ui
-from fw.server import routes_embeddings
+from fw.server import routes_embeddings, routes_lora
 from fw.server.logtext import quoted
 from fw.server.protocol import error_body
 from fw.server.state import ServerState
@@ -114,6 +114,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     app.include_router(routes_chat.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_embeddings.router)
+    app.include_router(routes_lora.router)
     if state.config.ui:
         app.include_router(routes_ui.router)
     _add_plugin_routes(app, state)

@@ -24,6 +24,7 @@ from fw.engine.cpu_runtime import release_openmp_threads
 from fw.engine.engine import LLMEngine
 from fw.engine.outputs import RequestOutput
 from fw.errors import FwError
+from fw.lora.request import LoRARequest
 from fw.sampling.params import SamplingParams
 
 logger = logging.getLogger("fw.server")
@@ -106,6 +107,7 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None,
         params: SamplingParams,
         request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> "RequestStream":
         """Queue a request; validation errors are raised here, before any output is promised."""
         stream = _Stream(asyncio.get_running_loop())
@@ -115,7 +117,8 @@ class AsyncEngine:
             await asyncio.wrap_future(self.engine.grammar.compile_async(params.structured_outputs))
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, prompt_token_ids, params, delta=True)
+            lora = {"lora_request": lora_request} if lora_request is not None else {}  # fw.lora: an adapter
+            self.engine.add_request(request_id, prompt, prompt_token_ids, params, delta=True, **lora)
             self._streams[request_id] = stream
 
         await self._call(add)
@@ -156,6 +159,10 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
+
+    async def on_engine_thread(self, work: Callable[[], T]) -> T:
+        """Run `work` on the engine thread between two steps (loading an adapter, say) and await its result."""
+        return await self._call(work)
 
     async def in_tokenizer_thread(self, work: Callable[[], T]) -> T:
         """Run `work` (a chat template, tokenizing) on the tokenizer's worker thread: on the event

@@ -73,7 +73,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         request_id = new_id("chatcmpl")
         job = _Chat(state, req, model, request_id, len(ids), top, plan)
         try:
-            return await respond(state, request, permit, req.stream, [(text, ids)], params, request_id, job)
+            return await respond(state, request, permit, req.stream, [(text, ids)], params, request_id, job,
+                                 state.lora_request(model))
         except GrammarError as exc:
             if plan is None or not plan.constrains:
                 raise

@@ -56,7 +56,8 @@ async def create_completion(req: CompletionRequest, request: Request):
         prompts = await _tokenized(state, prompt_list)
         request_id = new_id("cmpl")
         job = _Completion(state, req, model, request_id, prompts)
-        return await respond(state, request, permit, req.stream, prompts, params, request_id, job)
+        return await respond(state, request, permit, req.stream, prompts, params, request_id, job,
+                             state.lora_request(model))
 
 
 class _Completion:

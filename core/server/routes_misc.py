@@ -25,11 +25,14 @@ def _state(request: Request) -> ServerState:
 @router.get("/v1/models", responses=error_responses(401))
 async def list_models(request: Request) -> dict:
     state = _state(request)
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
-         "root": state.served_names[0], "max_model_len": state.max_length}
-        for name in state.served_names
-    ]}
+    base = state.served_names[0]
+    models = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
+               "root": base, "max_model_len": state.max_length} for name in state.served_names]
+    lora = getattr(state.engine.engine, "lora", None)  # loaded LoRA adapters, each under its parent (as vLLM)
+    for name, adapter in (list(lora.adapters.items()) if lora is not None else ()):
+        models.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
+                       "root": str(adapter.path), "parent": base, "max_model_len": state.max_length})
+    return {"object": "list", "data": models}
 
 
 @router.get("/health", responses=error_responses(503))

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Iterator
 
 from fw.engine.outputs import RequestOutput
 from fw.errors import FwError
+from fw.lora.request import LoRARequest
 from fw.sampling.params import SamplingParams
 from fw.server.async_engine import AsyncEngine, RequestStream
 from fw.server.config import ServerConfig
@@ -64,10 +65,24 @@ class ServerState:
         return self.config.max_input_tokens or self.max_length - 1
 
     def model_name(self, requested: str | None) -> str:
+        """The served name or loaded LoRA adapter a request names (404 for any other)."""
         if requested is None or requested in self.served_names:
             return requested or self.served_names[0]
+        adapters = self.lora_adapters()
+        if requested in adapters:
+            return requested
         raise ModelNotFoundError(
-            f"The model `{requested}` does not exist; this server serves {', '.join(self.served_names)}")
+            f"The model `{requested}` does not exist; this server serves {', '.join(self.served_names)}"
+            + (f" and the LoRA adapters {', '.join(adapters)}" if adapters else ""))
+
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters loaded in the engine (--enable-lora; fw.lora), by name."""
+        lora = getattr(self.engine.engine, "lora", None)
+        return list(lora.slots) if lora is not None else []
+
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """A request's adapter: its `model` when that names a LoRA adapter rather than the base model."""
+        return None if model in self.served_names else LoRARequest(model)
 
     def note_ignored(self, req) -> None:
         """Unknown fields are accepted for compatibility, but never silently: they are logged."""
@@ -108,11 +123,11 @@ class ServerState:
         self.prompt_limits.check_tokens(num_tokens)
 
     async def add(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                  request_id: str) -> RequestStream:
+                  request_id: str, lora_request: LoRARequest | None = None) -> RequestStream:
         self.check_prompt(len(prompt_ids))
         if self.config.log_requests:
             logger.info("request %s: %d prompt tokens; %s", request_id, len(prompt_ids), describe_params(params))
-        return await self.engine.add_request(prompt, prompt_ids, params, request_id)
+        return await self.engine.add_request(prompt, prompt_ids, params, request_id, lora_request)
 
     async def track(self, stream: RequestStream, num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
         """A request's delta stream, with latency and token metrics recorded. Recorded in `finally`:

@@ -32,12 +32,12 @@ class ClientDisconnectedError(FwError):
 
 
 async def add_all(state: ServerState, prompts: list[tuple[str | None, list[int]]], params,
-                  request_id: str) -> list[RequestStream]:
+                  request_id: str, lora_request=None) -> list[RequestStream]:
     """Queue every prompt of a request, all or nothing."""
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):
-            streams.append(await state.add(text, ids, params, f"{request_id}-{i}"))
+            streams.append(await state.add(text, ids, params, f"{request_id}-{i}", lora_request))
     except BaseException:
         for s in streams:
             s.close()
@@ -105,12 +105,13 @@ async def _disconnect(request: Request) -> None:
 
 
 async def respond(state: ServerState, request: Request, permit: Permit, stream: bool,
-                  prompts: list[tuple[str | None, list[int]]], params, request_id: str, job) -> Response:
+                  prompts: list[tuple[str | None, list[int]]], params, request_id: str, job,
+                  lora_request=None) -> Response:
     """Queue an admitted request's prompts, then answer: SSE events (`job.events`) or the
     collected JSON (`job.collect`). The admission `permit` is released and unfinished engine
     requests are aborted however the answer ends."""
     try:
-        streams = await add_all(state, prompts, params, request_id)
+        streams = await add_all(state, prompts, params, request_id, lora_request)
     except BaseException:
         permit.release()
         raise
