@@ -143,8 +143,7 @@ def test_kernel_path_repacks_and_matches_the_int8_activation_reference(qtype, gg
     kernel = _mean_nll(llm, text)
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
     reference = _mean_nll(_llm(case, gguf_dir), text)
-    # measured: 4-bit types (two-term activations) within 0.01%, Q8_0 (int8 activations) 0.26%
-    assert abs(kernel - reference) < (0.01 if qtype == T.Q8_0 else 0.001) * reference
+    assert abs(kernel - reference) < 0.03 * reference  # int8 activations (a prompt's rows): measured 0.2-1.4%
 
 
 @needs_kernels

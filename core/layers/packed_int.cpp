@@ -24,7 +24,9 @@
 // broadcast activation pair.
 //
 // Activations: each row's block of 32 is quantized to int8 with scale amax / 127 (round to nearest even),
-// and its code sum kept, as llama.cpp's Q8_1. Then, per row and block, exactly in int32:
+// and its code sum kept, as llama.cpp's Q8_1; for 4-bit weights and at most RESIDUAL_MAX_ROWS rows, where
+// the product waits on memory anyway, the rounding residual follows as a second int8 term. Then, per row
+// and block, exactly in int32:
 //   q4: sum_k (d q_k + m) x_k ~ dx (d sum(q_k xq_k) + m sum(xq_k))
 //   q8: vpdpbusd takes unsigned x bytes: xq + 128, and sum((xq + 128) q) - 128 sum(q) = sum(xq q).
 //   f8: activations rounded to bf16 (exact when they are bf16), each e4m3 code widened exactly to bf16 by a
@@ -61,16 +63,18 @@ constexpr int64_t Q8_RECORD = 576;
 constexpr int64_t F8_RECORD = 576;
 constexpr int64_t PREFETCH_AHEAD = 4608;  // bytes: records are requested this far ahead of the one in use
 
-enum class Kind { Q4, Q8, F8 };
+enum class Kind { Q4, Q4R, Q8, F8 };  // Q4R: 4-bit weights, activations in two int8 terms (few rows)
+
+constexpr int64_t RESIDUAL_MAX_ROWS = 8;  // up to here 4-bit products take the residual term (memory-bound)
 
 constexpr int64_t record_bytes(Kind kind) {
-  return kind == Kind::Q4 ? Q4_RECORD : kind == Kind::Q8 ? Q8_RECORD : F8_RECORD;
+  return kind == Kind::Q4 || kind == Kind::Q4R ? Q4_RECORD : kind == Kind::Q8 ? Q8_RECORD : F8_RECORD;
 }
 
 constexpr int MR = 8;               // activation rows per pass over a tile's blocks, at most
 
-// Rows per pass: 8 keep q8's and f8's weights in registers for more rows; q4 holds two integer sums a row.
-constexpr int rows_per_pass(Kind kind) { return kind == Kind::Q4 ? 4 : 8; }
+// Rows per pass: 8 keep the weights in registers for more rows; two-term q4 holds two integer sums a row.
+constexpr int rows_per_pass(Kind kind) { return kind == Kind::Q4R ? 4 : 8; }
 
 bool available() {
 #ifdef FW_PACKED_INT
@@ -160,10 +164,10 @@ inline void prefetch_record(const uint8_t* p) {
 }
 
 // One tile (16 output rows) times `rows` (1..MR) activation rows, over all KB blocks: acc[r] = 16 row sums.
-// The q4 kernel reads each row as two int8 terms (quantize_rows' residual): quantized rows 2r and 2r + 1 with
+// With TERMS = 2 each row comes as two int8 terms (quantize_rows' residual): quantized rows 2r and 2r + 1 with
 // scales s and s / 254. Their integer sums S1 and S2 combine exactly in int32 as 254 S1 + S2 (at most
 // 254 * 60,960 + 60,960 in size), so a row costs one conversion and one scale, times s / 254.
-template <int ROWS>
+template <int ROWS, int TERMS>
 void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
   const QuantizedRows& a = *acts.q;
   const int64_t K = acts.K;
@@ -180,19 +184,31 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
     }
     const __m512 d = load_half16(rec + 256), m = load_half16(rec + 288);
     for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = 2 * (m0 + r);  // the row's first term; its residual follows
+      const int64_t row = TERMS * (m0 + r);  // the row's first term; a residual follows it
       const int32_t* x1 = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * BLOCK);
-      const int32_t* x2 = x1 + K / 4;
-      __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        s1 = _mm512_dpbusd_epi32(s1, w[j], _mm512_set1_epi32(x1[j]));
-        s2 = _mm512_dpbusd_epi32(s2, w[j], _mm512_set1_epi32(x2[j]));
+      const int64_t ib1 = row * KB + b;
+      if constexpr (TERMS == 2) {
+        const int32_t* x2 = x1 + K / 4;
+        __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+          s1 = _mm512_dpbusd_epi32(s1, w[j], _mm512_set1_epi32(x1[j]));
+          s2 = _mm512_dpbusd_epi32(s2, w[j], _mm512_set1_epi32(x2[j]));
+        }
+        const __m512i both = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s1, 8), _mm512_slli_epi32(s1, 1)), s2);
+        const int64_t ib2 = ib1 + KB;
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib2)])),
+                                 acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[size_t(ib1)] + a.scaled_sum[size_t(ib2)]), acc[r]);
+      } else {
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
+        for (int j = 0; j < 8; j += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(x1[j]));
+          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(x1[j + 1]));
+        }
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib1)])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[size_t(ib1)]), acc[r]);
       }
-      const __m512i both = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s1, 8), _mm512_slli_epi32(s1, 1)), s2);
-      const int64_t ib1 = row * KB + b, ib2 = ib1 + KB;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib2)])),
-                               acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[size_t(ib1)] + a.scaled_sum[size_t(ib2)]), acc[r]);
     }
   }
 }
@@ -286,7 +302,8 @@ void f8_tile(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512*
 
 template <int ROWS, Kind KIND>
 void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc) {
-  if constexpr (KIND == Kind::Q4) q4_tile<ROWS>(tile, KB, a, m0, acc);
+  if constexpr (KIND == Kind::Q4) q4_tile<ROWS, 1>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::Q4R) q4_tile<ROWS, 2>(tile, KB, a, m0, acc);
   else if constexpr (KIND == Kind::Q8) q8_tile<ROWS>(tile, KB, a, m0, acc);
 #ifdef FW_PACKED_F8
   else f8_tile<ROWS>(tile, KB, a, m0, acc);
@@ -368,14 +385,15 @@ const uint16_t* bf16_rows(const at::Tensor& x, std::vector<uint16_t>& copy, int6
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool fp32_out, int kind_index) {
   static const char* names[] = {"linear_q4", "linear_q8", "linear_f8"};
-  const Kind kind = Kind(kind_index);
   const char* op = names[kind_index];
+  const Kind kind = kind_index == 0 ? Kind::Q4 : kind_index == 1 ? Kind::Q8 : Kind::F8;
   check_weight(x_in, w, N, kind, op);
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
+  const Kind run_kind = kind == Kind::Q4 && M <= RESIDUAL_MAX_ROWS ? Kind::Q4R : kind;
   thread_local QuantizedRows q;  // reused: a decode step calls this ~120 times with the same sizes
   thread_local std::vector<uint16_t> rounded;
   Acts a;
@@ -383,14 +401,15 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   if (kind == Kind::F8) {
     a.bf16 = bf16_rows(x, rounded, a.ld);
   } else {
-    const bool q8 = kind == Kind::Q8, residual = kind == Kind::Q4;
+    const bool q8 = kind == Kind::Q8, residual = run_kind == Kind::Q4R;
     if (x.scalar_type() == at::kFloat) quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, residual, q);
     else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, residual, q);
     a.q = &q;
   }
   const bool write_fp32 = out.scalar_type() == at::kFloat;
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
-  if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
+  if (run_kind == Kind::Q4R) run<Kind::Q4R>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
   else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());

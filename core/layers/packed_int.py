@@ -5,9 +5,12 @@
 Why one family: GGUF Q4_0/Q4_1, GPTQ and AWQ 4-bit are all 4-bit groups with a scale and a zero or min, and
 GGUF Q8_0 and row-wise int8 are 8-bit blocks with a scale; a quantization method converts its format to
 `QuantBlocks` once at load, `pack` lays it out for the kernel, and `packed_linear` runs it. The activations
-are quantized to int8 per block of 32 inside the kernel (W8A8, as llama.cpp's CPU path; for 4-bit weights two
-int8 terms, the second the first's rounding residual, so W4 products see activations exact to ~1.5e-5 of
-each block's largest: the int8 rounding alone cost ~0.5% of each product and up to 0.6% of perplexity). fp8 weights
+are quantized to int8 per block of 32 inside the kernel (W8A8 and W4A8, as llama.cpp's CPU path). For 4-bit
+weights and at most RESIDUAL_MAX_ROWS rows (decode, where the product waits on memory anyway) a second int8
+term carries the first's rounding residual, so those products see activations exact to ~1.5e-5 of each
+block's largest; the int8 rounding alone costs ~0.5% of each product. Above that, where the kernel is
+compute-bound, the second term would double the integer work (64 prompts x 128 tokens: 0.77x the dense
+path's throughput against 1.15x). fp8 weights
 (`Fp8Blocks`) are widened exactly to bf16 in registers and multiplied with bf16 activations (W8A16).
 
 `FW_CPU_PACKED_INT=0` turns the kernels off (methods keep their reference paths).
@@ -203,15 +206,18 @@ def layer_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return out if layer.bias is None else out + layer.bias
 
 
+RESIDUAL_MAX_ROWS = 8  # packed_int.cpp's: up to this many rows 4-bit products take the residual term
+
+
 def quantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """x [M, K] as the kernels see it (float32): each block of 32 rounded to int8 codes times amax / 127; for
-    4-bit weights (`bits=4`) plus the rounding residual as a second term of int8 codes times amax / 32,258,
-    so the activations are exact to ~amax / 64,516 (the kernel runs the two terms as two rows)."""
+    4-bit weights and at most RESIDUAL_MAX_ROWS rows plus the rounding residual as a second term of int8 codes
+    times amax / 32,258, so the activations are exact to ~amax / 64,516."""
     m, k = x.shape
     blocks = x.float().view(m, k // BLOCK, BLOCK)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     seen = torch.zeros_like(blocks)
-    for _ in range(2 if bits == 4 else 1):
+    for _ in range(2 if bits == 4 and m <= RESIDUAL_MAX_ROWS else 1):
         inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
         codes = ((blocks - seen) * inv).round().clamp(-127, 127)
         seen = seen + codes * scale
