@@ -15,6 +15,12 @@ import torch
 from fw.layers.linear import LinearMethod
 
 
+# Steps of at most this many rows (decodes) compute the update in float32 on a bf16/fp16 model: torch's
+# half-precision CPU matmuls of these shapes (a few rows by a rank-sized inner dimension) took 3x float32's
+# time here; larger steps keep the model dtype, where they are faster.
+SMALL_ROWS = 8
+
+
 @dataclass
 class LoRAStep:
     """The step's rows per adapter slot, shared by every LoRA layer: (slot, rows) with rows an index
@@ -30,8 +36,9 @@ class LoRALinearMethod(LinearMethod):
     def __init__(self, base: LinearMethod, step: LoRAStep):
         self.base = base
         self.step = step
-        # slot -> (A^T [in, k*r], scale * B^T [k*r, out])
-        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # slot -> (A^T [in, k*r], scale * B^T [k*r, out]) in the model dtype, and in float32 (or None when that
+        # is the model dtype) for small steps
+        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
 
     def __getattr__(self, name: str):
         # what other code asks of the base method (keeps_gguf_blocks, method_for, ...) still answers
@@ -57,8 +64,10 @@ class LoRALinearMethod(LinearMethod):
             lora = self.adapters.get(slot)
             if lora is None:
                 continue
-            a, b = lora
-            if rows is None:
+            a, b, a32, b32 = lora
+            if rows is None and a32 is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+                y.add_(torch.mm(torch.mm(x.float(), a32), b32).to(y.dtype))
+            elif rows is None:
                 y = y.addmm_(torch.mm(x, a), b) if y.dim() == 2 else y + (x @ a) @ b
             else:
                 y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a), b))

@@ -64,8 +64,8 @@ class LoRAManager:
                                  f"{self.max_rank}; start the engine with --max-lora-rank {adapter.rank}")
         per_layer = self._layer_updates(adapter)
         slot = next(i for i in range(self.max_loras + 1) if i not in self.slots.values())
-        for prefix, (a, b) in per_layer.items():
-            self.methods[prefix].adapters[slot] = (a, b)
+        for prefix, update in per_layer.items():
+            self.methods[prefix].adapters[slot] = update
         self.slots[name], self.adapters[name] = slot, adapter
         # prefix-cache pages are keyed by the adapter's load, not its name: a name loaded again may hold other weights
         self._salts[name] = f"lora:{next(self._loads)}:{name}".encode()
@@ -89,7 +89,7 @@ class LoRAManager:
                                     f"{', '.join(self.slots) or 'none'})")
         return self.slots[name]
 
-    def _layer_updates(self, adapter: LoRAAdapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _layer_updates(self, adapter: LoRAAdapter) -> dict[str, tuple]:
         """Per fw layer: the stacked A and the block-diagonal, scaled B of the adapter's modules on it."""
         shards: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
         for module, (a, b) in adapter.weights.items():
@@ -112,8 +112,9 @@ class LoRAManager:
                 a_cat[j * r:(j + 1) * r] = a
                 b_bd[start:start + size, j * r:(j + 1) * r] = b * adapter.scale
             # transposed once here: the step multiplies x [T, in] by A^T, then by B^T
-            out[prefix] = (a_cat.t().contiguous().to(self.dtype).to(self.device),
-                           b_bd.t().contiguous().to(self.dtype).to(self.device))
+            a_t, b_t = a_cat.t().contiguous().to(self.device), b_bd.t().contiguous().to(self.device)
+            half = self.dtype != torch.float32
+            out[prefix] = (a_t.to(self.dtype), b_t.to(self.dtype), a_t if half else None, b_t if half else None)
         return out
 
     def _target(self, adapter: str, module: str) -> tuple[str, int | None]:
