@@ -51,9 +51,9 @@ def server(gqa_dir):
     steps: list[list[tuple[str, ...]]] = []
     sample = engine.sampler.sample
 
-    def record(logits, batch, grammar_mask=None):
+    def record(logits, batch, *args, **kwargs):
         steps.append([tuple(r.name for r in p.samplers) for p in batch.params])
-        return sample(logits, batch, grammar_mask)
+        return sample(logits, batch, *args, **kwargs)
 
     engine.sampler.sample = record
     async_engine = AsyncEngine(engine)
