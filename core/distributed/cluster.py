@@ -47,6 +47,7 @@ class Cluster:
         self.failure: str | None = None  # set once a rank is lost: every later step raises it
         self.stepping = False  # the workers are in their step loop (a STOP can reach them)
         self.closed = False
+        self.unbind = lambda: None  # gives this process back the cores and threads it had (threads.py)
         self._step_timeout = timedelta(seconds=config.dist_timeout)
         atexit.register(self.close)
         if procs:
@@ -78,7 +79,7 @@ class Cluster:
                 raise
             cluster.local = shm.create(store, world, config.dist_timeout) if shm.wanted(config) else None
             rendezvous.release(store)
-            bind_rank(0, local_ranks, config.num_threads)
+            cluster.unbind = bind_rank(0, local_ranks, config.num_threads)
             cluster.group = rendezvous.gloo_group(store, 0, world, config.dist_timeout,
                                                   rendezvous.split_addr(addr)[0])
             shm.unlink(cluster.local)  # every rank mapped it before joining the group
@@ -182,6 +183,7 @@ class Cluster:
         self._stop_workers()
         shm.unlink(self.local)
         self.group = self.tp = self.local = None
+        self.unbind()
         atexit.unregister(self.close)
 
     def _stop_workers(self) -> None:

@@ -11,17 +11,27 @@ of 0.33 ms on this project's 2-core machine, issue 22)."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
 
-def bind_rank(local_rank: int, local_ranks: int, num_threads: int | None) -> int:
+def bind_rank(local_rank: int, local_ranks: int, num_threads: int | None) -> Callable[[], None]:
     """Pin this process (its calling thread and the threads it starts) to its share of the cores and
-    set torch's threads; returns the thread count. `num_threads` (--num-threads) wins when given."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    set torch's threads; `num_threads` (--num-threads) wins when given. Returns what undoes both, for
+    rank 0, whose process (a library user's) may run a one-process engine afterwards."""
+    can_pin = hasattr(os, "sched_getaffinity") and hasattr(os, "sched_setaffinity")
+    cpus = sorted(os.sched_getaffinity(0)) if can_pin else list(range(os.cpu_count() or 1))
+    before = torch.get_num_threads()
     share = len(cpus) // max(1, local_ranks)
-    if share >= 2 and hasattr(os, "sched_setaffinity"):
+    pinned = share >= 2 and can_pin
+    if pinned:
         os.sched_setaffinity(0, cpus[local_rank * share:(local_rank + 1) * share])
-    threads = num_threads or max(1, share)
-    torch.set_num_threads(threads)
-    return threads
+    torch.set_num_threads(num_threads or max(1, share))
+
+    def undo() -> None:
+        if pinned:
+            os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(before)
+
+    return undo
