@@ -132,7 +132,7 @@ def test_quantization_method_calls_are_traced(trace_log, gqa_dir):
     loads = trace_log.calls(f"{label}.load_weight", "bitsandbytes")
     applies = trace_log.calls(f"{label}.apply", "bitsandbytes")
     assert loads and applies
-    assert re.search(r"layer=Linear\(model\.layers\.0\.\S+, \d+->\d+\)", applies[0].getMessage())
+    assert re.search(r"layer=\w*Linear\(model\.layers\.0\.\S+, \d+->\d+\)", applies[0].getMessage())
     # lm_head stays on fw's own dense method: not a plugin call, not traced as one
     assert not [r for r in applies if "lm_head" in r.getMessage()]
 
