@@ -25,7 +25,7 @@ if ! python -c "import setuptools, ninja, sys; sys.exit(tuple(map(int, setuptool
   say "installing the build tools (setuptools, ninja)"
   pip_q "setuptools>=70.1" ninja
 fi
-if ! python -c "import fw.llm" 2>/dev/null || ! python -c "import pytest, accelerate, xgrammar, outlines_core, jsonschema, sentence_transformers, peft" 2>/dev/null; then
+if ! python -c "import fw.llm" 2>/dev/null || ! python -c "import pytest, accelerate, xgrammar, outlines_core, jsonschema, selenium, matplotlib, sentence_transformers, peft" 2>/dev/null; then
   say "installing fw (editable) with its test extra, and building its C++ libraries for this CPU (a few minutes)"
   pip_q --no-build-isolation -e ".[test]"
 elif ! python scripts/entry_points_current.py; then
