@@ -19,6 +19,7 @@ from fw.distributed.cluster import Cluster
 from fw.engine.block_manager import BlockManager
 from fw.engine.cpu_runtime import release_load_memory, tune_malloc
 from fw.engine.detokenizer import IncrementalDetokenizer
+from fw.engine.intake import request_id_and_ids
 from fw.engine.model_runner import ModelRunner
 from fw.engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from fw.engine.request import Request, Sequence
@@ -169,14 +170,8 @@ class LLMEngine:
         if self.pooling is not None or isinstance(params, PoolingParams):
             return self._add_embedding_request(request_id, prompt, prompt_token_ids, params)
         params = params or SamplingParams()
-        request_id = request_id or self.new_request_id()
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise InvalidRequestError("give a prompt or prompt_token_ids", param="prompt")
-            prompt_token_ids = self.tokenize(prompt)
-        ids = [int(t) for t in prompt_token_ids]
+        request_id, ids = request_id_and_ids(self.requests, self.new_request_id, self.tokenize, request_id, prompt,
+                                             prompt_token_ids)
         self._validate_prompt(ids, params)
         self._validate_token_params(params)
         if params.max_tokens is None:
@@ -218,14 +213,9 @@ class LLMEngine:
         if params is not None and not isinstance(params, PoolingParams):
             raise InvalidRequestError(f"{name} is served for embeddings (--task embed), not text generation")
         params = params or PoolingParams()
-        request_id = request_id or self.new_request_id()
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise InvalidRequestError("give an input text or token ids", param="input")
-            prompt_token_ids = self.tokenize(prompt)
-        ids = [int(t) for t in prompt_token_ids]
+        request_id, ids = request_id_and_ids(self.requests, self.new_request_id, self.tokenize, request_id, prompt,
+                                             prompt_token_ids, missing="give an input text or token ids",
+                                             param="input")
         self._validate_prompt(ids, _PREFILL_ONLY)
         self.pooling.check_dimensions(params.dimensions, name)
         req = Request(request_id, prompt, ids, _PREFILL_ONLY, pooling=PoolingState(self.pooling.method, params))

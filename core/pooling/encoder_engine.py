@@ -22,6 +22,7 @@ import torch
 from fw.config import EngineConfig
 from fw.devices import guard as device_guard
 from fw.engine.cpu_runtime import ThreadGovernor, release_load_memory, tune_malloc
+from fw.engine.intake import request_id_and_ids
 from fw.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from fw.errors import InvalidRequestError, PromptTooLongError
 from fw.layers.encoder import EncoderMetadata
@@ -90,14 +91,9 @@ class EncoderEngine:
             raise InvalidRequestError(
                 f"{self.loaded.source.name} is an encoder-only embedding model ({self.loaded.architecture.name}): it "
                 f"serves embeddings (/v1/embeddings, LLM.embed), not text generation")
-        request_id = request_id or self.new_request_id()
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise InvalidRequestError("give an input text or token ids", param="input")
-            prompt_token_ids = self.tokenize(prompt)
-        ids = [int(t) for t in prompt_token_ids]
+        request_id, ids = request_id_and_ids(self.requests, self.new_request_id, self.tokenize, request_id, prompt,
+                                             prompt_token_ids, missing="give an input text or token ids",
+                                             param="input")
         self._validate(ids, params)
         req = EmbedRequest(request_id, prompt, ids, params)
         self.requests[request_id] = req
