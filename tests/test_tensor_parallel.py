@@ -288,8 +288,8 @@ def test_a_worker_that_fails_to_load_is_reported_with_its_own_message(gqa_dir, t
         "ARCHITECTURES = [ArchitectureSpec(name='failing-llama', hf_architectures=('LlamaForCausalLM',),\n"
         "                                  build=build_or_fail)]\n")
     start = time.monotonic()
-    with pytest.raises(DistributedError, match=r"worker rank 1 \(pid \d+\) exited with code 1: RuntimeError: rank one "
-                                               r"cannot build this model"):
+    # the worker's own report, whether rank 0 learns of it from the worker's exit or from the failed collective
+    with pytest.raises(DistributedError, match=r"rank 1 .*: RuntimeError: rank one cannot build this model"):
         make_llm(gqa_dir, tensor_parallel_size=2, custom_architectures=[str(tmp_path / "rank_one_fails.py")])
     assert time.monotonic() - start < 20
 
