@@ -148,16 +148,19 @@ class ThreadGovernor:
     Why: torch's parallel regions end at a barrier that waits for every thread; with as many threads as
     cores and one core busy elsewhere, each of a step's hundreds of regions waits for a descheduled thread,
     and batch-1 decode fell from 82 to 1.0 tok/s on this project's 2-core machine next to one busy process.
-    Every `interval_s` the governor measures the CPU time other processes took on the cores this process may
-    use and runs the next steps with the cores they left (at least 1, at most the configured count)."""
+    Every `interval_s` while the engine steps, the governor measures the CPU time other processes took on the
+    cores this process may use. It steps with fewer threads only when two samples in a row (a neighbour busy
+    for a second, not a burst) leave fewer cores, and with more again as soon as one sample shows them free.
+    A sample that spans an idle engine (no step for several intervals) is dropped: what ran meanwhile did not
+    compete with a step."""
 
-    def __init__(self, threads: int, interval_s: float = 0.5, settle_s: float = 2.0):
+    def __init__(self, threads: int, interval_s: float = 0.5):
         self.max_threads = self.threads = threads
-        self.interval_s, self.settle_s = interval_s, settle_s
+        self.interval_s = interval_s
         self._cpus = frozenset(os.sched_getaffinity(0))
         self._tick_hz = os.sysconf("SC_CLK_TCK")
         self._last: tuple[float, int, int] | None = None
-        self._changed_at = 0.0
+        self._fewer_in_a_row = 0
 
     @classmethod
     def for_this_process(cls) -> "ThreadGovernor | None":
@@ -168,9 +171,9 @@ class ThreadGovernor:
         return cls(threads)
 
     def others_cores(self, now: float, busy: int, own: int) -> float | None:
-        """Cores other processes used since the last sample (None on the first)."""
+        """Cores other processes used since the last sample (None on the first, or after an idle engine)."""
         last, self._last = self._last, (now, busy, own)
-        if last is None or now <= last[0]:
+        if last is None or now <= last[0] or now - last[0] > 4 * self.interval_s:
             return None
         return max(0.0, ((busy - last[1]) - (own - last[2])) / (self._tick_hz * (now - last[0])))
 
@@ -186,11 +189,12 @@ class ThreadGovernor:
         if others is None:
             return self.threads
         want = max(1, min(self.max_threads, round(len(self._cpus) - others)))
-        if want != self.threads and now - self._changed_at >= self.settle_s:
+        self._fewer_in_a_row = self._fewer_in_a_row + 1 if want < self.threads else 0
+        if want > self.threads or self._fewer_in_a_row >= 2:
             logger.info("other processes use %.1f of %d cores: stepping with %d thread(s) instead of %d",
                         others, len(self._cpus), want, self.threads)
             torch.set_num_threads(want)
-            self.threads, self._changed_at = want, now
+            self.threads, self._fewer_in_a_row = want, 0
         return self.threads
 
 
