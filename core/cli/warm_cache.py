@@ -33,7 +33,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fw.default_model import default_model
-    from fw.plugins.manager import PluginManager, get_plugin_manager
+    from fw.plugins.manager import engine_plugins
     from fw.warm.artifact import WarmContext
     from fw.warm.collect import collect
     from fw.warm.runner import describe_target
@@ -45,12 +45,7 @@ def run(args: argparse.Namespace) -> int:
     config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))
     if config.model is None:
         config.model = default_model()
-    plugins = PluginManager().load() if config.custom_architectures else get_plugin_manager()
-    if config.strict_plugins:
-        plugins.strict = True
-        plugins.raise_if_strict()
-    if config.custom_architectures:
-        plugins.add_custom_architectures(config.custom_architectures)
+    plugins = engine_plugins(config)  # as the engine picks them
     if config.attention_backend != "auto":  # a mistyped name fails now, as `fw serve` would
         plugins.registry("attention_backend").get(config.attention_backend)
     options = {"check": args.check, "force_download": args.force_download,

@@ -21,7 +21,7 @@ from fw.distributed.threads import bind_rank
 from fw.engine.model_runner import ModelRunner
 from fw.errors import DistributedError, FwError
 from fw.model_loader.loader import load_model, resolve_device
-from fw.plugins.manager import PluginManager, get_plugin_manager
+from fw.plugins.manager import engine_plugins
 
 logger = logging.getLogger("fw.distributed")
 
@@ -97,9 +97,7 @@ class Worker:
     def run(self) -> None:
         """Load this rank's shard, allocate the KV pages rank 0 decided, then step until STOP."""
         config = self.config
-        plugins = PluginManager().load() if config.custom_architectures else get_plugin_manager()
-        if config.custom_architectures:
-            plugins.add_custom_architectures(config.custom_architectures)
+        plugins = engine_plugins(config)
         loaded = load_model(config, plugins, self.tp)
         count = torch.zeros(1, dtype=torch.long)
         self._broadcast(count, timedelta(seconds=config.dist_init_timeout))

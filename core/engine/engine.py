@@ -28,7 +28,7 @@ from fw.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from fw.grammar.service import GrammarService, SequenceGrammar
 from fw.grammar.tokenizer import GrammarTokenizer
 from fw.model_loader.loader import load_model, resolve_device
-from fw.plugins.manager import PluginManager, get_plugin_manager
+from fw.plugins.manager import PluginManager, engine_plugins
 from fw.lora.request import LoRARequest
 from fw.pooling.config import READS_EVERY_POSITION, engine_pooling
 from fw.pooling.params import PoolingParams
@@ -58,16 +58,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        if plugins is None:
-            # Custom architectures go into a manager of this engine's own, so they do not
-            # leak into later engines of the same process through the shared one.
-            plugins = PluginManager().load() if config.custom_architectures else get_plugin_manager()
-        self.plugins = plugins
-        if config.strict_plugins:
-            self.plugins.strict = True
-            self.plugins.raise_if_strict()
-        if config.custom_architectures:
-            self.plugins.add_custom_architectures(config.custom_architectures)
+        self.plugins = engine_plugins(config, plugins)
         if config.enable_torch_compile:  # refused modes fail before any weight is read
             from fw.compile.modes import check_compile_mode  # here: fw.compile's import costs start-up time
 

@@ -13,9 +13,9 @@ from fw.engine.engine import LLMEngine
 from fw.errors import ConfigError, UnsupportedConfigurationError
 from fw.model_loader.loader import model_config
 from fw.model_loader.source import resolve_model
-from fw.plugins.manager import PluginManager
+from fw.plugins.manager import PluginManager, engine_plugins
 from fw.plugins.specs import ArchitectureSpec
-from fw.pooling.encoder_engine import EncoderEngine, engine_plugins
+from fw.pooling.encoder_engine import EncoderEngine
 
 
 def model_architecture(config: EngineConfig, plugins: PluginManager | None = None) -> ArchitectureSpec:

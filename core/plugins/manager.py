@@ -316,6 +316,20 @@ def import_custom_module(ref: str):
 _default: PluginManager | None = None
 
 
+def engine_plugins(config, plugins: PluginManager | None = None) -> PluginManager:
+    """The plugins an engine (or a command acting for one) uses: `plugins` if given, else the process's
+    manager, or a manager of its own when `config.custom_architectures` names modules (so they do not leak
+    into later engines of the same process); `config.strict_plugins` makes failed plugins an error."""
+    if plugins is None:
+        plugins = PluginManager().load() if config.custom_architectures else get_plugin_manager()
+    if config.strict_plugins:
+        plugins.strict = True
+        plugins.raise_if_strict()
+    if config.custom_architectures:
+        plugins.add_custom_architectures(config.custom_architectures)
+    return plugins
+
+
 def get_plugin_manager(strict: bool | None = None) -> PluginManager:
     """The process-wide manager, loaded on first use.
 

@@ -27,7 +27,7 @@ from fw.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from fw.errors import InvalidRequestError, PromptTooLongError
 from fw.layers.encoder import EncoderMetadata
 from fw.model_loader.loader import load_model
-from fw.plugins.manager import PluginManager, get_plugin_manager
+from fw.plugins.manager import PluginManager, engine_plugins
 from fw.pooling.config import engine_pooling
 from fw.pooling.params import PoolingParams
 from fw.pooling.pooler import finish, pool_packed
@@ -173,16 +173,3 @@ class EncoderEngine:
         return {"num_running": 0, "num_waiting": len(self.waiting), "kv_cache_usage": 0.0, "num_kv_blocks": 0,
                 "prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0, "num_preemptions": 0,
                 **self._counts}
-
-
-def engine_plugins(config: EngineConfig, plugins: PluginManager | None) -> PluginManager:
-    """The plugins an engine uses, as `LLMEngine` picks them: the given manager, else the process's, or a
-    manager of its own with --custom-architectures (so they do not leak into later engines)."""
-    if plugins is None:
-        plugins = PluginManager().load() if config.custom_architectures else get_plugin_manager()
-    if config.strict_plugins:
-        plugins.strict = True
-        plugins.raise_if_strict()
-    if config.custom_architectures:
-        plugins.add_custom_architectures(config.custom_architectures)
-    return plugins
