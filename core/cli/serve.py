@@ -85,7 +85,11 @@ def run(args: argparse.Namespace) -> int:
     _announce_when_ready(server, server_config, names[0], getattr(engine, "pooling", None) is not None)
     _end_streams_before_the_deadline(server, state, grace)
     _graceful_sigterm_exits_zero()
+    _exit_when_the_engine_dies(server, async_engine)
     server.run(sockets=[sock])
+    if async_engine.dead is not None:
+        print(f"fw: error: {async_engine.dead}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -111,6 +115,27 @@ def _graceful_sigterm_exits_zero() -> None:
     signal again, which would kill the process (exit -15) after a clean shutdown. The handler it
     restores is this no-op, so `run` returns and `fw serve` exits 0, as a supervisor expects."""
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+
+
+# How long a dead engine's server still answers (/health 503, requests 503) before it shuts down: enough for
+# the failed streams' error events to reach their clients and for a health probe to see why.
+DEAD_ENGINE_LINGER_S = 2.0
+
+
+def _exit_when_the_engine_dies(server, async_engine) -> None:
+    """A lost rank leaves an engine that can never step (issue 22): shut the server down (its workers are
+    stopped already; the engine's close stops the rest) and let `run` return non-zero, so a supervisor
+    restarts it instead of routing traffic to a server that can only fail."""
+    import threading
+
+    def shut_down_soon(why: str) -> None:
+        logging.getLogger("fw.server").error("shutting down in %.0f s: the engine is dead (%s)",
+                                             DEAD_ENGINE_LINGER_S, why)
+        timer = threading.Timer(DEAD_ENGINE_LINGER_S, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    async_engine.on_dead = shut_down_soon
 
 
 def _announce_when_ready(server, config, name: str, embeds: bool = False) -> None:

@@ -23,7 +23,7 @@ import torch
 from fw.engine.cpu_runtime import release_openmp_threads
 from fw.engine.engine import LLMEngine
 from fw.engine.outputs import RequestOutput
-from fw.errors import FwError
+from fw.errors import DistributedError, FwError
 from fw.lora.request import LoRARequest
 from fw.sampling.params import SamplingParams
 
@@ -65,6 +65,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="fw-engine", daemon=True)
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fw-tokenizer")
         self.stats: dict[str, Any] = engine.stats()  # refreshed by the engine thread after each step
+        self.dead: str | None = None  # why the engine can never step again (a lost rank); set once
+        self.on_dead: Callable[[str], None] | None = None  # called on the engine thread when `dead` is set
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -176,6 +178,8 @@ class AsyncEngine:
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread and await its result (or exception)."""
+        if self.dead is not None:
+            raise DistributedError(self.dead)
         if not self.alive:
             raise EngineFaultError("the engine is not running (shutting down, or it failed at start)")
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -193,9 +197,14 @@ class AsyncEngine:
                 self.stats = self.engine.stats()  # an abort with nothing left to step must show too
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
+                if self._lost_rank_while_idle():
+                    break
                 continue
             try:
                 outputs = self.engine.step()
+            except DistributedError as exc:  # a lost rank: no step can run again
+                self._die(exc)
+                break
             except Exception as exc:  # keep serving: fail only the requests that were in the step
                 logger.exception("engine step failed; failing %d request(s) in flight", len(self._streams))
                 self._fail_all(EngineFaultError(f"the engine failed while running this request ({type(exc).__name__})"))
@@ -203,6 +212,28 @@ class AsyncEngine:
             self._deliver(outputs)
             self.stats = self.engine.stats()
         self._drain_commands()
+
+    def _lost_rank_while_idle(self) -> bool:
+        """An idle engine learns of a dead worker from its cluster's watcher (within the 1 s idle wait),
+        not only at the next request's step."""
+        cluster = getattr(self.engine, "cluster", None)
+        if cluster is None:
+            return False
+        try:
+            cluster.raise_if_failed()
+        except DistributedError as exc:
+            self._die(exc)
+            return True
+        return False
+
+    def _die(self, exc: DistributedError) -> None:
+        """Fail every stream with `exc` (503, its message names the rank), mark the engine dead, tell `on_dead`."""
+        logger.error("the engine cannot step any more; failing %d request(s) in flight: %s", len(self._streams), exc)
+        self._fail_all(exc)
+        self.dead = str(exc)
+        self._stop.set()
+        if self.on_dead is not None:
+            self.on_dead(self.dead)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams with one wake-up of each event loop, not one per

@@ -29,9 +29,9 @@ async def list_models(request: Request) -> dict:
     models = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
                "root": base, "max_model_len": state.max_length} for name in state.served_names]
     lora = getattr(state.engine.engine, "lora", None)  # loaded LoRA adapters, each under its parent (as vLLM)
-    for name, adapter in (list(lora.adapters.items()) if lora is not None else ()):
+    for name, path in (list(lora.registered.items()) if lora is not None else ()):
         models.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
-                       "root": str(adapter.path), "parent": base, "max_model_len": state.max_length})
+                       "root": str(path), "parent": base, "max_model_len": state.max_length})
     return {"object": "list", "data": models}
 
 
@@ -40,7 +40,8 @@ async def health(request: Request) -> Response:
     state = _state(request)
     if state.engine.alive and not state.draining:
         return Response(status_code=200)
-    return JSONResponse(error_body("the engine is not serving", "service_unavailable", 503), status_code=503)
+    why = f"the engine is dead: {state.engine.dead}" if state.engine.dead else "the engine is not serving"
+    return JSONResponse(error_body(why, "service_unavailable", 503), status_code=503)
 
 
 @router.get("/version")
