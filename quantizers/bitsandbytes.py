@@ -13,7 +13,8 @@ CPU too); nothing here re-implements its formats. Two ways in, one layout in mem
   (int8) + `SCB` (+ `weight_format`). Double-quantized absmax is expanded to fp32 at load (0.375 bit a
   parameter more) so fused q/k/v and gate/up shards can share one quant state.
 
-The matmul: 4-bit runs `bnb.matmul_4bit` on CUDA; on CPU it dequantizes with `dequantize_4bit` and
+The matmul: 4-bit runs `bnb.matmul_4bit` on CUDA; on a bf16 CPU model with AVX512-BF16 the library's
+fused CPU kernel (`bnb_cpu_kernel`); otherwise on CPU it dequantizes with `dequantize_4bit` and
 multiplies, as `matmul_4bit` itself does there, but describing the weight as one flat row (see
 `FourBitLinearMethod.quant_states`: the library's AVX-512 kernel miscounts blocks when a row is no
 multiple of 64). 8-bit dequantizes per matmul on CPU (`int8_vectorwise_dequant`): the library's
@@ -25,7 +26,6 @@ docs/choices.md). `lm_head` and `llm_int8_skip_modules` stay unquantized, as in 
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -37,6 +37,7 @@ from fw.errors import ModelLoadError, UnsupportedConfigurationError
 from fw.layers import Linear, packed_int
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
+from fw.quantizers import bnb_cpu_kernel
 from fw.quantizers._packing import skipped_in_checkpoint
 
 FW_PLUGIN_API_VERSION = "1.2"  # verified_on
@@ -212,29 +213,23 @@ class FourBitLinearMethod(LinearMethod):
             self._repack_for_cpu_kernel(layer)
 
     def _fused_cpu_kernel_applies(self, layer: Linear) -> bool:
-        """bitsandbytes' own fused CPU 4-bit matmul (`gemv_4bit`, AVX512-BF16; any number of rows): a bf16
-        model on the CPU, each group of rows a multiple of 32 and each row whole blocks (its repack's rules),
-        and `FW_CPU_PACKED_INT` not 0. Else the reference path: dequantize, then `F.linear`."""
+        """bitsandbytes' own fused CPU 4-bit matmul (`fw.quantizers.bnb_cpu_kernel`; any number of rows): a
+        bf16 model on the CPU, each group of rows a multiple of 32 and each row whole blocks (its repack's
+        rules), and `FW_CPU_PACKED_INT` not 0. Else the reference path: dequantize, then `F.linear`."""
         if layer.device.type != "cpu" or layer.params_dtype != torch.bfloat16 or not packed_int.cpu_kernels_enabled():
             return False
-        F = _bnb().functional
-        if not hasattr(F, "_convert_weight_packed_for_cpu") or not F.has_avx512bf16():
+        if not bnb_cpu_kernel.available(_bnb()):
             return False
         return all(rows % 32 == 0 and layer.input_size % blocksize == 0
                    for *_, rows, blocksize in layer.bnb_groups)
 
     def _repack_for_cpu_kernel(self, layer: Linear) -> None:
-        """Each group in the layout of bitsandbytes' CPU kernel (the library's own repack, as its Linear4bit
-        does on the first CPU forward; absmax become bf16 there), replacing the flat weight and absmax."""
-        F = _bnb().functional
-        repacked = [F._convert_weight_packed_for_cpu(layer.weight[p0:p0 + psize].clone(), state)
-                    for (p0, psize, *_), state in zip(layer.bnb_groups, self.quant_states(layer, False))]
-        layer.weight = nn.Parameter(torch.cat([w.reshape(-1) for w, _ in repacked]), requires_grad=False)
-        layer.weight_absmax = torch.cat([s.absmax.reshape(-1) for _, s in repacked])
-        layer.bnb_cpu, start = [], 0
-        for w, state in repacked:
-            layer.bnb_cpu.append((layer.weight[start:start + w.numel()].view(w.shape), state))
-            start += w.numel()
+        """Each group in the layout of bitsandbytes' CPU kernel, replacing the flat weight and absmax."""
+        packed = [layer.weight[p0:p0 + psize] for p0, psize, *_ in layer.bnb_groups]
+        weight, absmax, groups = bnb_cpu_kernel.repack(_bnb(), packed, self.quant_states(layer, False))
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.weight_absmax = absmax
+        layer.bnb_cpu = bnb_cpu_kernel.CpuGemv4bit(_bnb(), groups, layer.input_size, self.settings.mode)
         layer.bnb_cache = {}
 
     def quant_states(self, layer: Linear, flat: bool) -> list:
@@ -261,16 +256,14 @@ class FourBitLinearMethod(LinearMethod):
         """The dense weight [out, in] in the model dtype, with the library's `dequantize_4bit`."""
         F = _bnb().functional
         if layer.bnb_cpu is not None:
-            return torch.cat([_dequantize_repacked(F, w, state) for w, state in layer.bnb_cpu]).to(layer.params_dtype)
+            return layer.bnb_cpu.dequantized().to(layer.params_dtype)
         parts = [F.dequantize_4bit(layer.weight[p0:p0 + psize], state).view(rows, layer.input_size)
                  for (p0, psize, _, _, rows, _), state in zip(layer.bnb_groups, self.quant_states(layer, True))]
         return torch.cat(parts).to(layer.params_dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.bnb_cpu is not None:
-            F = _bnb().functional
-            outs = [F.gemv_4bit(x, w, state=state) for w, state in layer.bnb_cpu]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            out = layer.bnb_cpu(x)
             return out if layer.bias is None else out + layer.bias
         if x.device.type != "cuda":  # what bnb.matmul_4bit does on CPU, with the flat dequantize
             return torch.nn.functional.linear(x, self.dequantized(layer).to(x.dtype), layer.bias)
@@ -282,17 +275,6 @@ class FourBitLinearMethod(LinearMethod):
 
     def weight_bytes(self, layer: Linear) -> int:
         return sum(t.numel() * t.element_size() for t in (layer.weight, layer.weight_absmax, layer.weight_quant_map))
-
-
-def _dequantize_repacked(F, weight: torch.Tensor, state) -> torch.Tensor:
-    """[rows, in] of a group in bitsandbytes' CPU-kernel layout: the library's inverse repack, then its
-    `dequantize_4bit`. The inverse leaves a non-nested absmax in the kernel's order ([in / blocksize, rows],
-    bf16), which `dequantize_4bit` would read as row-major blocks: it is put back in row order here."""
-    kernel_absmax = state.absmax
-    weight, state = F._convert_weight_packed_for_cpu_inverse(weight, copy.copy(state))
-    if not state.nested:
-        state.absmax = kernel_absmax.T.reshape(-1).float()
-    return F.dequantize_4bit(weight, state).reshape(state.shape[0], -1)
 
 
 def _flat_absmax(F, state) -> torch.Tensor:

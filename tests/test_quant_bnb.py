@@ -323,6 +323,38 @@ def test_bf16_model_runs_4bit_on_the_library_cpu_kernel(mode, model_dirs, monkey
         assert (got - reference).norm() <= 1e-2 * reference.norm(), prefix
 
 
+@pytest.mark.parametrize("mode", ["nf4", "fp4"])
+def test_direct_kernel_call_equals_the_library_gemv_4bit(mode):
+    """fw's ctypes call of the library's CPU kernel (one output, each group writing its own columns) gives
+    bit-for-bit what `F.gemv_4bit` gives per group, over ragged row counts; the compiled path (the
+    library op) gives the same."""
+    from fw.quantizers import bnb_cpu_kernel
+
+    if not bnb_cpu_kernel.available(bnb):
+        pytest.skip("bitsandbytes has no fused CPU 4-bit kernel on this CPU (AVX512-BF16)")
+    gen = torch.Generator().manual_seed(0)
+    k, rows = 192, (64, 32, 96)  # three groups, as fused q/k/v shards whose blocks cannot merge
+    packed, states = [], []
+    for n in rows:
+        p, state = BF.quantize_4bit(torch.randn(n, k, generator=gen).bfloat16(), blocksize=64, quant_type=mode)
+        packed.append(p)
+        states.append(state)
+    _, _, groups = bnb_cpu_kernel.repack(bnb, packed, states)
+    kernel = bnb_cpu_kernel.CpuGemv4bit(bnb, groups, k, mode)
+    assert kernel.native is not None
+    weight = kernel.dequantized().double()
+    for m in (1, 2, 7, 8, 9, 64, 300):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        got = kernel(x)
+        library = torch.cat([BF.gemv_4bit(x, g.weight, state=g.state) for g in groups], dim=-1)
+        assert got.shape == (m, sum(rows)) and torch.equal(got, library), m
+        assert torch.equal(kernel._through_library(x), library)
+        exact = x.double() @ weight.T
+        assert (got.double() - exact).abs().max() <= 1e-2 * exact.abs().max(), m
+    x3 = torch.randn(2, 3, k, generator=gen)  # leading dims and fp32 activations are kept
+    assert kernel(x3).shape == (2, 3, sum(rows)) and kernel(x3).dtype == torch.float32
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method, ppl_tol", [("bitsandbytes-nf4", 0.25), ("bitsandbytes-8bit", 0.01)])
 def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl_tol, smollm2_dense_perplexity,
