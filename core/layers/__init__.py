@@ -6,8 +6,8 @@ numerics so parity tests hold.
 """
 
 from fw.layers.attention import Attention, AttentionBackend, AttentionMetadata
-from fw.layers.blocks import (ACTIVATIONS, FUSED_PROJECTIONS, DecoderModel, GatedMLP, PreNormDecoderLayer,
-                              SelfAttention)
+from fw.layers.blocks import (ACTIVATIONS, FUSED_PROJECTIONS, DecoderModel, GatedMLP, PostNormDecoderLayer,
+                              PreNormDecoderLayer, SelfAttention)
 from fw.layers.causal_lm import CausalLM
 from fw.layers.context import ModelContext
 from fw.layers.dense import dense_linear, pack_dense_weight
@@ -29,6 +29,7 @@ __all__ = [
     "FUSED_PROJECTIONS",
     "GatedMLP",
     "DecoderModel",
+    "PostNormDecoderLayer",
     "PreNormDecoderLayer",
     "SelfAttention",
     "BidirectionalAttention",

@@ -6,10 +6,16 @@ Projections are fused at load: q/k/v into one `qkv_proj`, gate/up into one
 them for `load_named_weights`.
 
 The per-token path calls submodules' `forward` directly rather than through
-`nn.Module.__call__`: at batch 1 on SmolLM2 that saves about 0.6 ms of an
-11.9 ms decode step. The cost: torch forward hooks on these submodules do not
-fire; to observe or change activations, subclass the block or override the
-architecture (docs/choices.md)."""
+`nn.Module.__call__` (faster at batch 1: docs/performance.md). The cost: torch
+forward hooks on these submodules do not fire; to observe or change
+activations, subclass the block or override the architecture.
+
+The layer protocol `DecoderModel` drives (docs/plugin-authors/blocks.md):
+`layer.forward(x, residual, cos_sin, meta) -> (x, residual)`. A pre-norm layer
+carries the residual stream separately so the next norm can add it (`residual`
+is None only into the first layer); a post-norm layer returns `(hidden, None)`,
+its output being the whole residual stream. `DecoderModel`'s final norm adds
+whatever residual the last layer returned."""
 
 from __future__ import annotations
 
@@ -45,10 +51,12 @@ ACTIVATIONS = {
 class SelfAttention(nn.Module):
     """Fused-QKV attention with rotary embedding over the paged KV cache.
 
-    Options cover the families fw ships: projection biases (Qwen2), per-head
-    QK RMSNorm before rotary (Qwen3, Gemma 3), a custom softmax scale (Gemma's
+    Options cover the families fw ships: projection biases (Qwen2), QK RMSNorm
+    before rotary, per head (`qk_norm_width="head"`: Qwen3, Gemma 3) or over all
+    heads at once (`"full"`: OLMo 2), a custom softmax scale (Gemma's
     `query_pre_attn_scalar`), a sliding window (Mistral, Gemma 2/3) and
-    attention-logit soft-capping (Gemma 2).
+    attention-logit soft-capping (Gemma 2). `qk_norm_rounding` is the q/k norms'
+    `RMSNorm.rounding`.
 
     With tensor parallelism (fw.distributed) each rank computes num_heads / tp query heads and
     num_kv_heads / tp KV heads, their q/k/v columns and o_proj rows; o_proj sums over the ranks."""
@@ -69,6 +77,8 @@ class SelfAttention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        qk_norm_width: str = "head",
+        qk_norm_rounding: str | None = None,
     ):
         super().__init__()
         tp = tensor_parallel_of(ctx).size
@@ -85,9 +95,18 @@ class SelfAttention(nn.Module):
         self.q_size, self.kv_size = q_size // tp, kv_size // tp  # this rank's
         num_heads, num_kv_heads = num_heads // tp, num_kv_heads // tp
         self.q_norm = self.k_norm = None
+        if qk_norm_width not in ("head", "full"):
+            raise ValueError(f"SelfAttention qk_norm_width {qk_norm_width!r}: use 'head' (one norm per head) or "
+                             "'full' (one norm over all heads' q, one over all heads' k)")
+        self.qk_norm_full = qk_norm_width == "full"
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, ctx.dtype, qk_norm_weight_offset)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, ctx.dtype, qk_norm_weight_offset)
+            if self.qk_norm_full and tp > 1:
+                raise UnsupportedConfigurationError(
+                    f"--tensor-parallel-size {tp}: this model normalises q and k over all heads at once, which "
+                    "spans the ranks' head shards; run it with --tensor-parallel-size 1")
+            q_width, k_width = (q_size, kv_size) if self.qk_norm_full else (head_dim, head_dim)
+            self.q_norm = RMSNorm(q_width, qk_norm_eps, ctx.dtype, qk_norm_weight_offset, qk_norm_rounding)
+            self.k_norm = RMSNorm(k_width, qk_norm_eps, ctx.dtype, qk_norm_weight_offset, qk_norm_rounding)
         self.attn = Attention(num_heads, num_kv_heads, head_dim, ctx, scale=scale,
                               sliding_window=sliding_window, logit_softcap=logit_softcap)
 
@@ -97,6 +116,9 @@ class SelfAttention(nn.Module):
         if self.q_norm is None:
             qk = rotate_heads_(qkv[:, :qk_end], cos_sin, self.head_dim)  # q and k in one go
             q, k = qk[:, : self.q_size], qk[:, self.q_size:]  # slicing: Tensor.split is a slow Python path
+        elif self.qk_norm_full:
+            q, k = self.q_norm(qkv[:, : self.q_size]), self.k_norm(qkv[:, self.q_size: qk_end])
+            q, k = rotate_heads_(q, cos_sin, self.head_dim), rotate_heads_(k, cos_sin, self.head_dim)
         else:
             t, d = x.shape[0], self.head_dim
             q = self.q_norm(qkv[:, : self.q_size].reshape(-1, d)).view(t, -1)
@@ -152,22 +174,38 @@ class PreNormDecoderLayer(nn.Module):
         return self.mlp.forward(x), residual
 
 
-class DecoderModel(nn.Module):
-    """embed_tokens -> decoder layers (one rotary cos/sin per step, shared by all) -> final RMSNorm."""
+class PostNormDecoderLayer(nn.Module):
+    """attention, then MLP, each followed by its RMSNorm before the residual add (OLMo 2):
+    x + norm(attn(x)), then x + norm(mlp(x)). The residual stream is the layer's output itself, so
+    it returns (hidden, None). Subclasses build `self_attn`, `post_attention_layernorm`, `mlp` and
+    `post_feedforward_layernorm`."""
 
-    def __init__(self, cfg, ctx: ModelContext, max_positions: int, layers, head_dim: int | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta):
+        if residual is not None:  # after a pre-norm layer: fold its carried residual in
+            x = x + residual
+        x = x + self.post_attention_layernorm.forward(self.self_attn.forward(x, cos_sin, meta))
+        return x + self.post_feedforward_layernorm.forward(self.mlp.forward(x)), None
+
+
+class DecoderModel(nn.Module):
+    """embed_tokens -> decoder layers (one rotary cos/sin per step, shared by all) -> final RMSNorm.
+
+    Each layer follows the protocol in this module's docstring. `norm`: the final norm, when the
+    family's differs from a Llama RMSNorm (say, another `rounding`)."""
+
+    def __init__(self, cfg, ctx: ModelContext, max_positions: int, layers, head_dim: int | None = None,
+                 norm: nn.Module | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
         self.embed_tokens.weight.requires_grad_(False)
         head_dim = head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, head_dim, max_positions, ctx.dtype)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.norm = norm if norm is not None else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary(positions)
         for layer in self.layers:
             x, residual = layer.forward(x, residual, cos_sin, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
