@@ -135,7 +135,11 @@ class EngineConfig:
         "LoRA adapters loaded at start, NAME=PATH (a PEFT adapter directory; repeatable); the server lists "
         "each under its name in /v1/models.", repeatable=True))
     max_loras: int = field(default=8, metadata=_opt(
-        "LoRA adapters loaded at once (every loaded adapter may run in any step); loading more is refused."))
+        "Most distinct LoRA adapters in one batch (vLLM's); a request whose adapter has no room waits for a step "
+        "that has."))
+    max_cpu_loras: int | None = field(default=None, metadata=_opt(
+        "LoRA adapters held in memory at once (vLLM's; default --max-loras, at least that): loading one more evicts "
+        "the least recently used adapter no request runs with, read again from its path when next named."))
     max_lora_rank: int = field(default=64, metadata=_opt("Largest LoRA rank an adapter may have."))
     custom_architectures: list[str] = field(default_factory=list, metadata=_opt(
         "Extra architectures: DIR:MODULE, FILE.py or a dotted module exposing ARCHITECTURES (repeatable).",
@@ -223,6 +227,9 @@ class EngineConfig:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ConfigError(f"--max-loras and --max-lora-rank must be at least 1, got {self.max_loras} and "
                               f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                              f"({self.max_loras}): a batch's adapters are all held in memory")
         if self.enable_lora and self.enable_torch_compile:
             raise ConfigError("--enable-lora does not run with --enable-torch-compile yet; drop one of the two")
         if self.enable_lora and self.tensor_parallel_size > 1:

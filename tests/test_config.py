@@ -60,6 +60,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "enable_lora": (["--enable-lora"], True),
     "lora_modules": (["--lora-modules", "a=/x", "--lora-modules", "b=/y"], ["a=/x", "b=/y"]),
     "max_loras": (["--max-loras", "2"], 2),
+    "max_cpu_loras": (["--max-cpu-loras", "16"], 16),
     "max_lora_rank": (["--max-lora-rank", "32"], 32),
     "pooling": (["--pooling", "mean"], "mean"),
     "normalize_embeddings": (["--no-normalize-embeddings"], False),

@@ -130,8 +130,10 @@ def test_errors(gqa_dir, adapters, tmp_path, llm):
     with pytest.raises(ModelLoadError, match="rank 8, above --max-lora-rank 4"):
         small.engine.add_lora("a", str(adapters["a"][0]))
     small.engine.add_lora("b", str(adapters["b"][0]))
-    with pytest.raises(InvalidRequestError, match="--max-loras"):
-        small.engine.add_lora("c", str(adapters["b"][0]))
+    with pytest.raises(InvalidRequestError, match="already loaded"):
+        small.engine.add_lora("b", str(adapters["b"][0]))
+    with pytest.raises(ConfigError, match=r"--max-cpu-loras \(1\) must be at least --max-loras \(2\)"):
+        make_llm(gqa_dir, enable_lora=True, max_loras=2, max_cpu_loras=1)
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in adapters["b"][0].iterdir():
@@ -144,6 +146,58 @@ def test_errors(gqa_dir, adapters, tmp_path, llm):
         make_llm(gqa_dir, lora_modules=["nopath"])
     with pytest.raises(ConfigError, match="torch-compile"):
         make_llm(gqa_dir, enable_lora=True, enable_torch_compile=True)
+
+
+def test_max_cpu_loras_evicts_the_least_recently_used_and_reads_it_back(gqa_dir, adapters, lora_llm):
+    """vLLM's --max-cpu-loras: more adapters registered than held; the one unused longest is evicted and read
+    again from its path when named, with the same output (and its prefix-cache pages still its own)."""
+    expected = {n: tokens(lora_llm.generate(PROMPTS[:2], GREEDY, lora_request=LoRARequest(n, str(adapters[n][0]))))
+                for n in ("a", "b")}
+    llm = make_llm(gqa_dir, enable_lora=True, max_loras=1, max_cpu_loras=2, kv_cache_page_size=4,
+                   lora_modules=[f"a={adapters['a'][0]}", f"b={adapters['b'][0]}", f"a2={adapters['a'][0]}"])
+    lora = llm.engine.lora
+    assert list(lora.registered) == ["a", "b", "a2"] and list(lora.slots) == ["b", "a2"] and lora.num_evictions == 1
+    first = llm.generate(PROMPTS[:2], GREEDY, lora_request=LoRARequest("a"))  # read back; b goes
+    assert tokens(first) == expected["a"] and list(lora.slots) == ["a2", "a"] and lora.num_evictions == 2
+    assert tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=LoRARequest("b"))) == expected["b"]
+    again = llm.generate(PROMPTS[:2], GREEDY, lora_request=LoRARequest("a"))  # evicted by b, read back again
+    assert tokens(again) == expected["a"] and all(o.num_cached_tokens > 0 for o in again)  # same registration
+    assert tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=LoRARequest("a2"))) == expected["a"]
+
+
+def test_adapters_that_requests_run_with_are_never_evicted(gqa_dir, adapters):
+    from fw.lora.manager import LoRACapacityError
+
+    llm = make_llm(gqa_dir, enable_lora=True, max_loras=1, max_cpu_loras=1,
+                   lora_modules=[f"a={adapters['a'][0]}", f"b={adapters['b'][0]}"])
+    llm.engine.add_request("busy", prompt=PROMPTS[0], params=GREEDY, lora_request=LoRARequest("b"))
+    with pytest.raises(LoRACapacityError, match=r"--max-cpu-loras 1: b\) all have requests running") as err:
+        llm.engine.add_request("other", prompt=PROMPTS[0], params=GREEDY, lora_request=LoRARequest("a"))
+    assert err.value.status_code == 429
+    llm.engine.abort_request("busy")
+    assert llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("a"))[0].outputs[0].token_ids
+
+
+def test_max_loras_bounds_the_adapters_of_one_batch(gqa_dir, adapters, lora_llm):
+    """vLLM's --max-loras: with 1, a step never runs two adapters; a request whose adapter has no room waits
+    while those behind it (the base model's, the running adapter's) go; every output equals its run alone."""
+    llm = make_llm(gqa_dir, enable_lora=True, max_loras=1, max_cpu_loras=2,
+                   lora_modules=[f"a={adapters['a'][0]}", f"b={adapters['b'][0]}"])
+    loras = [LoRARequest("a"), LoRARequest("b"), None, LoRARequest("a"), LoRARequest("b"), None]
+    alone = [tokens(lora_llm.generate(PROMPTS[i % 4], GREEDY, lora_request=None if r is None else
+                                      LoRARequest(r.name, str(adapters[r.name][0]))))[0] for i, r in enumerate(loras)]
+    engine = llm.engine
+    for i, r in enumerate(loras):
+        engine.add_request(f"r{i}", prompt=PROMPTS[i % 4], params=GREEDY, lora_request=r)
+    running, got = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        running.append({s.request.lora_name for s in engine.scheduler.running})
+    assert all(len(names - {None}) <= 1 for names in running), running
+    assert {"a", None} <= running[0] and "b" not in running[0]  # b waited; the base request behind it did not
+    assert [got[f"r{i}"] for i in range(len(loras))] == alone
 
 
 @pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", "fp8"), ("bfloat16", "fp8")])

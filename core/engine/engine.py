@@ -89,6 +89,7 @@ class LLMEngine:
         if loaded.device.type == "cpu":
             release_load_memory()
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_batch_input_tokens, config.chunk_size)
+        self.scheduler.max_loras = config.max_loras if self.lora is not None else None  # adapters per batch
         self.sampler = SamplerPipeline(self.plugins.registry("sampler"), config.sampling_backend)
         self.grammar = GrammarService(self.plugins.registry("grammar_backend"),
                                       GrammarTokenizer(self.tokenizer, self.vocab_size, loaded.eos_token_ids),
@@ -110,7 +111,9 @@ class LLMEngine:
             return None
         from fw.lora.manager import LoRAManager, parse_lora_modules  # here: only LoRA engines pay for it
 
-        lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, loaded.dtype, loaded.device)
+        in_use = lambda: {r.lora_name for r in getattr(self, "requests", {}).values()}  # noqa: E731 (none at start)
+        lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, loaded.dtype, loaded.device,
+                           config.max_cpu_loras, in_use)
         for name, path in parse_lora_modules(config.lora_modules):
             lora.add(name, path)
         self.runner.lora = lora
@@ -220,9 +223,9 @@ class LLMEngine:
     def _attach_lora(self, req: Request, lora: LoRARequest) -> None:
         """Run `req` with the adapter: loaded now if it is new and has a path; an unknown name is a 404."""
         manager = self._lora_manager()
-        if lora.name not in manager.slots and lora.path:
+        if lora.name not in manager.registered and lora.path:
             manager.add(lora.name, lora.path)
-        req.lora_name, req.cache_salt = lora.name, manager.cache_salt(lora.name)
+        req.lora_name, req.cache_salt = lora.name, manager.acquire(lora.name)
 
     def _lora_manager(self):
         if self.lora is None:

@@ -7,7 +7,8 @@ A sequence with a draft (speculative decoding) counts its draft tokens among
 its tokens to compute; the draft is cut to fit the budget, and dropped before
 anything is preempted for its pages. Running sequences are served first,
 oldest first; when pages run out the newest running sequence is preempted
-(pages freed, recomputed later).
+(pages freed, recomputed later). With LoRA on, a waiting request whose adapter would make more
+than --max-loras distinct adapters run at once waits; those behind it may start.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.chunk_size = chunk_size
+        self.max_loras: int | None = None  # --max-loras with LoRA on: the most distinct adapters running at once
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -73,8 +75,12 @@ class Scheduler:
         return batch
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        held_back: list[Sequence] = []  # their LoRA adapter would exceed --max-loras: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                held_back.append(self.waiting.popleft())
+                continue
             self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, self.chunk_size, budget)
             if not self.blocks.allocate(seq, n):
@@ -92,6 +98,16 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(held_back))
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether `seq` may join the running sequences without more than --max-loras distinct adapters (vLLM's
+        rule: a request whose adapter has no room waits, the requests behind it may go)."""
+        name = seq.request.lora_name
+        if self.max_loras is None or name is None:
+            return True
+        active = {s.request.lora_name for s in self.running} - {None}
+        return name in active or len(active) < self.max_loras
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)

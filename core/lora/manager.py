@@ -1,14 +1,19 @@
 """The adapters an engine serves: loaded from PEFT directories into every targeted linear layer of the
 model, each under a slot number, and the per-step map from the step's rows to their adapter slots.
 
-Adapters are resident in memory (on the CPU there is no separate device pool to page them into):
-`--max-loras` bounds how many are loaded at once and `--max-lora-rank` their rank. A batch may mix
-the base model and any loaded adapters."""
+As vLLM: `--max-loras` bounds the distinct adapters of one batch (the scheduler holds back a request
+whose adapter would exceed it), `--max-cpu-loras` the adapters whose weights are held in memory at
+once (default: --max-loras). Adapters are registered by name and path (`--lora-modules`, the load
+route, a request's path); one not used for longest and run by no request is evicted to make room and
+read again from its path when next named. fw keeps held adapters on the model's device (no separate
+device pool yet). `--max-lora-rank` bounds their rank."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
+from typing import Callable
 
 import torch
 from torch import nn
@@ -29,9 +34,19 @@ class LoRANotFoundError(FwError):
     error_type = "not_found_error"
 
 
+class LoRACapacityError(FwError):
+    """Every adapter slot (--max-cpu-loras) holds an adapter that requests run with: a new one must wait."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
 class LoRAManager:
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 max_cpu_loras: int | None = None, in_use: Callable[[], set[str]] = set):
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        self.in_use = in_use  # the adapter names requests in the engine run with: never evicted
         self.dtype, self.device = dtype, device
         self.step = LoRAStep()
         self.layers: dict[str, Linear] = {}
@@ -43,51 +58,87 @@ class LoRAManager:
                 self.layers[layer.prefix] = layer
                 self._fused_silu[layer.prefix] = layer.silu_gate_up
         self._wrapped = False  # whether the layers run the LoRA methods now (see `_wrap`)
-        self.slots: dict[str, int] = {}  # adapter name -> slot
-        self.adapters: dict[str, LoRAAdapter] = {}
+        self.registered: dict[str, str] = {}  # adapter name -> its path: what may be named (/v1/models lists it)
+        self.slots: OrderedDict[str, int] = OrderedDict()  # held adapters -> slot, least recently used first
+        self.adapters: dict[str, LoRAAdapter] = {}  # held adapters
+        self.num_evictions = 0
         self._loads = itertools.count()
         self._salts: dict[str, bytes] = {}
 
     # -- adapters ------------------------------------------------------------------------
 
     def add(self, name: str, path: str) -> int:
-        """Load the adapter at `path` as `name`; its slot. A name already loaded is an error."""
-        if name in self.slots:
+        """Register the adapter at `path` as `name` and load it (so a bad adapter fails here); its slot. A name
+        already registered is an error."""
+        if name in self.registered:
             raise InvalidRequestError(f"LoRA adapter {name!r} is already loaded; unload it first", param="lora_name")
-        if len(self.slots) >= self.max_loras:
-            raise InvalidRequestError(
-                f"{len(self.slots)} LoRA adapters are loaded, the most --max-loras allows; unload one first "
-                f"(loaded: {', '.join(self.slots)})", param="lora_name")
+        slot = self._load(name, path)
+        self.registered[name] = path
+        # prefix-cache pages are keyed by the registration, not the name: a name loaded again may hold other weights
+        self._salts[name] = f"lora:{next(self._loads)}:{name}".encode()
+        return slot
+
+    def acquire(self, name: str) -> bytes:
+        """Make a registered adapter ready for a request: read back from its path if it was evicted, marked
+        most recently used; the prefix-cache salt of its requests (`Request.cache_salt`)."""
+        if name not in self.registered:
+            raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded (loaded: "
+                                    f"{', '.join(self.registered) or 'none'})")
+        if name in self.slots:
+            self.slots.move_to_end(name)
+        else:
+            self._load(name, self.registered[name])
+        return self._salts[name]
+
+    def remove(self, name: str) -> None:
+        if name not in self.registered:
+            raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded (loaded: "
+                                    f"{', '.join(self.registered) or 'none'})")
+        if name in self.slots:
+            self._drop(name)
+        del self.registered[name], self._salts[name]
+
+    def slot(self, name: str) -> int:
+        if name not in self.slots:
+            raise LoRANotFoundError(f"no LoRA adapter named {name!r} is held in memory (held: "
+                                    f"{', '.join(self.slots) or 'none'})")
+        return self.slots[name]
+
+    def _load(self, name: str, path: str) -> int:
         adapter = load_adapter(name, path)
         if adapter.rank > self.max_rank:
             raise ModelLoadError(f"LoRA adapter {name!r} has rank {adapter.rank}, above --max-lora-rank "
                                  f"{self.max_rank}; start the engine with --max-lora-rank {adapter.rank}")
         per_layer = self._layer_updates(adapter)
-        slot = next(i for i in range(self.max_loras + 1) if i not in self.slots.values())
+        self._make_room(name)
+        slot = next(i for i in range(self.max_cpu_loras + 1) if i not in self.slots.values())
         for prefix, update in per_layer.items():
             self.methods[prefix].adapters[slot] = update
         self.slots[name], self.adapters[name] = slot, adapter
-        # prefix-cache pages are keyed by the adapter's load, not its name: a name loaded again may hold other weights
-        self._salts[name] = f"lora:{next(self._loads)}:{name}".encode()
         logger.info("LoRA adapter %s loaded from %s (rank %d, %d layers)", name, path, adapter.rank, len(per_layer))
         return slot
 
-    def remove(self, name: str) -> None:
-        slot = self.slot(name)
+    def _make_room(self, name: str) -> None:
+        """Evict the least recently used adapter no request runs with while --max-cpu-loras are held."""
+        if len(self.slots) < self.max_cpu_loras:
+            return
+        busy = self.in_use()
+        victim = next((held for held in self.slots if held not in busy), None)
+        if victim is None:
+            raise LoRACapacityError(
+                f"LoRA adapter {name!r} cannot be loaded: the {len(self.slots)} adapters held (--max-cpu-loras "
+                f"{self.max_cpu_loras}: {', '.join(self.slots)}) all have requests running; retry when one "
+                f"finishes, or start the server with a larger --max-cpu-loras")
+        self._drop(victim)
+        self.num_evictions += 1
+        logger.info("LoRA adapter %s evicted (--max-cpu-loras %d); it is read again when next named", victim,
+                    self.max_cpu_loras)
+
+    def _drop(self, name: str) -> None:
+        slot = self.slots.pop(name)
         for method in self.methods.values():
             method.adapters.pop(slot, None)
-        del self.slots[name], self.adapters[name], self._salts[name]
-
-    def cache_salt(self, name: str) -> bytes:
-        """Where prefix-cache keys of a request running with the adapter start (`Request.cache_salt`)."""
-        self.slot(name)
-        return self._salts[name]
-
-    def slot(self, name: str) -> int:
-        if name not in self.slots:
-            raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded (loaded: "
-                                    f"{', '.join(self.slots) or 'none'})")
-        return self.slots[name]
+        del self.adapters[name]
 
     def _layer_updates(self, adapter: LoRAAdapter) -> dict[str, tuple]:
         """Per fw layer: the stacked A and the block-diagonal, scaled B of the adapter's modules on it."""
@@ -133,7 +184,8 @@ class LoRAManager:
 
     def prepare_step(self, seqs, num_new: list[int], device: torch.device) -> None:
         """The step's rows per adapter, in the order the runner lays out the step's tokens."""
-        slots = [self.slots.get(s.request.lora_name) if s.request.lora_name else None for s in seqs]
+        # every adapter a request runs with is held: requests keep theirs from eviction (`_make_room`)
+        slots = [self.slots[s.request.lora_name] if s.request.lora_name else None for s in seqs]
         if all(slot is None for slot in slots):
             self.step.groups = []
             self._wrap(False)

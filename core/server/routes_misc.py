@@ -29,9 +29,9 @@ async def list_models(request: Request) -> dict:
     models = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
                "root": base, "max_model_len": state.max_length} for name in state.served_names]
     lora = getattr(state.engine.engine, "lora", None)  # loaded LoRA adapters, each under its parent (as vLLM)
-    for name, adapter in (list(lora.adapters.items()) if lora is not None else ()):
+    for name, path in (list(lora.registered.items()) if lora is not None else ()):
         models.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
-                       "root": str(adapter.path), "parent": base, "max_model_len": state.max_length})
+                       "root": str(path), "parent": base, "max_model_len": state.max_length})
     return {"object": "list", "data": models}
 
 

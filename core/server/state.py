@@ -78,7 +78,7 @@ class ServerState:
     def lora_adapters(self) -> list[str]:
         """The LoRA adapters loaded in the engine (--enable-lora; fw.lora), by name."""
         lora = getattr(self.engine.engine, "lora", None)
-        return list(lora.slots) if lora is not None else []
+        return list(lora.registered) if lora is not None else []
 
     def lora_request(self, model: str) -> LoRARequest | None:
         """A request's adapter: its `model` when that names a LoRA adapter rather than the base model."""
