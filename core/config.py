@@ -195,6 +195,10 @@ class EngineConfig:
     dist_timeout: float = field(default=60.0, metadata=_opt(
         "Seconds a collective waits for a peer while serving before the engine fails (a frozen worker); "
         "a worker that dies is noticed at once."))
+    data_parallel_size: int = field(default=1, metadata=_opt(
+        "Engine replicas behind one `fw serve` (each a --tensor-parallel-size group), each in its own process; "
+        "a request goes to the one with the fewest tokens in flight, and a dead replica is routed around.",
+        aliases=(("--dp", "SGLang"), ("--dp-size", "SGLang"), ("--data-parallel-degree", "MAX"))))
 
     def __post_init__(self) -> None:
         if self.compile_mode is not None and self.enable_torch_compile is False:
@@ -269,7 +273,7 @@ class EngineConfig:
     def _validate_distributed(self) -> None:
         """Each option on its own; how they combine (ranks per node, the address) is checked where
         ranks start (fw.distributed.checks.check_layout)."""
-        for name in ("tensor_parallel_size", "nnodes"):
+        for name in ("tensor_parallel_size", "nnodes", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag_name(name)} must be at least 1, got {getattr(self, name)}")
         if self.node_rank < 0:

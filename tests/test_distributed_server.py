@@ -130,3 +130,58 @@ def test_a_stopped_worker_fails_the_stream_within_10_s_with_dist_timeout_5(tmp_p
         if alive(worker):
             os.kill(worker, signal.SIGCONT)
         server.kill()
+
+
+# -- data parallelism: two replicas behind one server ---------------------------------------------
+
+DP_PROMPTS = ["Hello world", "The engine schedules every request in pages.", "Once upon a time",
+              "汉字测试：你好", "A B C D E F", "Numbers: 1 2 3 4", "The quick brown fox", "Why is the sky blue?"]
+
+
+def complete_all(server: ServerProcess, prompts: list[str], max_tokens: int = 16) -> list[str]:
+    """The prompts sent at once (one thread each); each greedy answer's text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt: str) -> str:
+        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        response = httpx.post(server.base_url + "/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def replica_metric(server: ServerProcess, name: str) -> dict[str, float]:
+    from server_fixtures import metric_samples
+
+    text = server.metrics_text()
+    return {r: metric_samples(text, name, replica=r)[0] for r in ("0", "1")}
+
+
+def test_dp2_spreads_a_load_over_both_replicas_and_keeps_serving_when_one_dies(tmp_path, gqa_dir, llm):
+    from fw import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].text for o in llm.generate(DP_PROMPTS, params)]
+    server = ServerProcess(["--model", str(gqa_dir), "--served-model-name", "m", "--dtype", "float32",
+                            "--kv-cache-memory", "4MiB", "--dp", "2"], tmp_path)
+    try:
+        server.wait_ready(120)
+        replicas = [pid for pid in children(server.proc.pid) if is_worker(pid)]
+        assert len(replicas) == 1, server.describe()  # replica 0 runs in the server's own process
+        assert complete_all(server, DP_PROMPTS) == expected
+        served = replica_metric(server, "fw_replica_requests_total")
+        assert served["0"] >= 2 and served["1"] >= 2 and sum(served.values()) == len(DP_PROMPTS), served
+
+        os.kill(replicas[0], signal.SIGKILL)
+        time.sleep(0.5)
+        assert complete_all(server, DP_PROMPTS[:4]) == expected[:4]  # replica 0 answers them all
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        assert replica_metric(server, "fw_replica_up") == {"0": 1.0, "1": 0.0}
+        assert "data-parallel replica 1 (pid" in server.log() and "killed by SIGKILL" in server.log()
+        server.stop(20)
+    finally:
+        server.kill()
+    assert not [pid for pid in replicas if alive(pid)]

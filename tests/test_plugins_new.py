@@ -63,8 +63,12 @@ def test_fw_plugins_list_shows_each_generated_plugin(installed):
         names = PluginNames.from_name(name)
         row = rows[names.entry_point]
         assert (row["distribution"], row["version"], row["status"], row["api_version"]) == \
-            (names.distribution, "0.1.0", "loaded", PLUGIN_API_VERSION), row
+            (names.distribution, "0.1.0", "loaded", KINDS[kind].min_api_version), row
         assert row["provides"] == {KINDS[kind].registry_kind: [name]}
+    # each architecture plugin's row says which Hugging Face architectures it serves
+    assert rows[PluginNames.from_name(NAMES["architecture"]).entry_point]["hf_architectures"] == \
+        {"tiny-arch": ["TinyArchForCausalLM"]}
+    assert rows["llama"]["hf_architectures"] == {"llama": ["LlamaForCausalLM", "MistralForCausalLM"]}
 
 
 def test_generated_packages_pass_their_own_tests(installed):
@@ -107,11 +111,63 @@ def test_generated_files_are_consistent(tmp_path):
         for source in root.rglob("*.py"):
             compile(source.read_text(), str(source), "exec")
         plugin = (root / names.package / "plugin.py").read_text()
-        assert f'"{name}"' in plugin and 'FW_PLUGIN_API_VERSION = "%s"' % PLUGIN_API_VERSION in plugin
+        # the oldest API with what the template uses, so the package loads on every fw since
+        assert f'"{name}"' in plugin and 'FW_PLUGIN_API_VERSION = "%s"' % KINDS[kind].min_api_version in plugin
+        assert _version(KINDS[kind].min_api_version) <= _version(PLUGIN_API_VERSION)
         tests = (root / "tests" / f"test_{names.package}.py").read_text()
         assert f'conformance_suite("{KINDS[kind].registry_kind}", "{name}"' in tests
         readme = (root / "README.md").read_text()
         assert "## What to change" in readme and f"fw plugins list --kind {KINDS[kind].registry_kind}" in readme
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")
+    return int(major), int(minor)
+
+
+def test_plugins_list_table_shows_hf_architectures(capsys):
+    assert main(["plugins", "list", "--kind", "architecture"]) == 0
+    out = capsys.readouterr().out
+    assert "architecture: llama (LlamaForCausalLM, MistralForCausalLM)" in out
+    assert "transformers (any, as a fallback)" in out
+
+
+@pytest.mark.parametrize("example", ["fw-example-arch", "fw-sampler-dry"])
+def test_example_is_written_out_as_shipped(example, tmp_path, capsys):
+    """What a pip user gets from `fw plugins new --example`: the package with its tests, file for file
+    what fw's repository holds under plugins/ (sources, README, pyproject; no build leftovers)."""
+    assert main(["plugins", "new", "--example", example, "--output", str(tmp_path)]) == 0
+    assert f"Wrote {tmp_path / example}/" in capsys.readouterr().out
+    source = Path(__file__).resolve().parent.parent / "plugins" / example
+    shipped = {str(p.relative_to(source)) for p in source.rglob("*")
+               if p.is_file() and p.suffix in (".py", ".md", ".toml") and "egg-info" not in str(p)
+               and "__pycache__" not in str(p)}
+    written = {str(p.relative_to(tmp_path / example)) for p in (tmp_path / example).rglob("*") if p.is_file()}
+    assert written == shipped and any(w.startswith("tests/") for w in written)
+    for relative in written:
+        assert (tmp_path / example / relative).read_text() == (source / relative).read_text()
+
+
+def test_example_errors(tmp_path, capsys):
+    err = error_of(["--example", "fw-nope", "--output", str(tmp_path)], capsys)
+    assert "no example plugin named 'fw-nope'; examples: fw-example-arch (" in err and "fw-sampler-xtc (" in err
+    (tmp_path / "fw-sampler-xtc").mkdir()
+    err = error_of(["--example", "fw-sampler-xtc", "--output", str(tmp_path)], capsys)
+    assert "already exists; choose another --output directory" in err
+    with pytest.raises(SystemExit):
+        main(["plugins", "new", "--example", "fw-sampler-xtc", "--kind", "sampler", "--output", str(tmp_path)])
+    assert "--example writes an existing example package; it takes no --kind or --hf-class" in capsys.readouterr().err
+
+
+def test_wheel_ships_the_examples():
+    """pyproject's package-data for fw.scaffold matches every file `--example` writes."""
+    setup = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setup["package-data"]["fw.scaffold"]
+    from fw.scaffold.examples import EXAMPLES, example_files
+
+    for example in EXAMPLES:
+        for relative in example_files(example):
+            assert any(Path("examples", example, relative).match(p) for p in patterns), (example, relative)
 
 
 @pytest.mark.parametrize("name, derived", [

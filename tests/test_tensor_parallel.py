@@ -130,6 +130,7 @@ def test_the_shared_layers_refuse_and_split_on_their_own():
     ({"tensor_parallel_size": 3, "nnodes": 2}, r"--tensor-parallel-size 3 does not spread evenly over --nnodes 2"),
     ({"tensor_parallel_size": 2, "nnodes": 2}, r"--nnodes 2: give --dist-init-addr HOST:PORT"),
     ({"tensor_parallel_size": 2, "enable_torch_compile": True}, r"--enable-torch-compile is not combined"),
+    ({"data_parallel_size": 2}, r"--data-parallel-size 2: replicas run behind `fw serve`"),
 ])
 def test_layouts_that_cannot_start_are_refused(gqa_dir, options, message):
     with pytest.raises(ConfigError, match=message):

@@ -27,10 +27,18 @@ def configure(p: argparse.ArgumentParser) -> None:
                          description="Write a working, installable plugin package: pyproject.toml with the fw "
                                      "entry point, a real implementation, tests (with fw's conformance suite) "
                                      "and a README saying what to change.")
-    new.add_argument("--kind", required=True, choices=SCAFFOLD_KINDS, help="What the plugin provides.")
+    new.add_argument("--kind", choices=SCAFFOLD_KINDS, help="What the plugin provides (required unless --example).")
     new.add_argument("name", metavar="NAME",
-                     help="The name fw registers (e.g. my-backend); the package is written to DIR/fw-NAME.")
+                     help="The name fw registers (e.g. my-backend); the package is written to DIR/fw-NAME. "
+                          "With --example: the example's name.")
     new.add_argument("--output", "-o", metavar="DIR", default=".", help="Where to write the package (default: .).")
+    new.add_argument("--hf-class", metavar="CLASS", default=None,
+                     help="With --kind architecture: port this transformers class (e.g. Olmo2ForCausalLM), "
+                          "with transformers' own config class and transformers' model as the tests' oracle.")
+    new.add_argument("--example", action="store_true",
+                     help="Write out fw's example plugin NAME (fw-example-arch, fw-example-plugin, fw-sampler-dry, "
+                          "fw-sampler-xtc) with its tests, instead of a new package.")
+    new.set_defaults(new_parser=new)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,12 +47,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plugins_command == "new":
         return run_new(args)
     if args.plugins_command != "list":
-        print("usage: fw plugins list [--json] [--kind KIND] | fw plugins new --kind KIND NAME [--output DIR]")
+        print("usage: fw plugins list [--json] [--kind KIND] | fw plugins new --kind KIND NAME [--output DIR] "
+              "[--hf-class CLASS] | fw plugins new --example NAME")
         return 2
     manager = get_plugin_manager()
     if args.custom_architectures:
         manager.add_custom_architectures(args.custom_architectures)
-    rows = manager.inventory(args.kind)
+    rows = with_hf_architectures(manager.inventory(args.kind), manager.registry("architecture"))
     if args.json:
         print(json.dumps({"plugins": rows}, indent=2))
     else:
@@ -56,8 +65,24 @@ def run_new(args: argparse.Namespace) -> int:
     from fw.plugins.manager import get_plugin_manager
     from fw.scaffold import KINDS as SCAFFOLDS, new_plugin
 
+    if args.example:
+        from fw.scaffold.examples import EXAMPLES, write_example
+
+        if args.kind or args.hf_class:
+            args.new_parser.error("--example writes an existing example package; it takes no --kind or --hf-class")
+        root = write_example(args.name, args.output)
+        print(f"Wrote {root}/ ({EXAMPLES[args.name]}). Next:")
+        print(f"  pip install -e '{root}'")
+        print(f"  python -m pytest {root / 'tests'}" if (root / "tests").is_dir() else f"  read {root / 'README.md'}")
+        return 0
+    if args.kind is None:
+        args.new_parser.error("the following arguments are required: --kind (or --example)")
     registry_kind = SCAFFOLDS[args.kind].registry_kind
-    root = new_plugin(args.kind, args.name, args.output, taken=get_plugin_manager().registry(registry_kind).names())
+    registry = get_plugin_manager().registry(registry_kind)
+    served = {hf: spec.name for spec in registry for hf in spec.hf_architectures} \
+        if registry_kind == "architecture" else {}
+    root = new_plugin(args.kind, args.name, args.output, taken=registry.names(), hf_class=args.hf_class,
+                      served=served)
     print(f"Wrote {root}/ ({SCAFFOLDS[args.kind].title} {args.name!r}). Next:")
     print(f"  pip install -e '{root}[test]'")
     print(f"  fw plugins list --kind {registry_kind}")
@@ -65,11 +90,22 @@ def run_new(args: argparse.Namespace) -> int:
     return 0
 
 
+def with_hf_architectures(rows: list[dict], architectures) -> list[dict]:
+    """Each row with `hf_architectures`: per architecture it provides, the Hugging Face class names
+    (config.json "architectures") it serves; empty for a fallback that serves whatever is asked."""
+    for row in rows:
+        names = row["provides"].get("architecture", [])
+        row["hf_architectures"] = {n: list(architectures.get(n).hf_architectures) for n in names if n in architectures}
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     header = ("PLUGIN", "DISTRIBUTION", "VERSION", "API", "STATUS", "PROVIDES")
     lines = [header]
     for r in rows:
-        provides = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in r["provides"].items() if names)
+        served = r.get("hf_architectures", {})
+        provides = "; ".join(f"{kind}: {', '.join(_with_served(n, served) for n in names)}"
+                             for kind, names in r["provides"].items() if names)
         if r["overrides"]:
             provides += " (overrides " + "; ".join(x for v in r["overrides"].values() for x in v) + ")"
         status = "error: " + r["error"] if r["error"] else r["status"]
@@ -78,3 +114,8 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(
         "  ".join(str(c).ljust(w) for c, w in zip(line[:-1], widths)) + "  " + str(line[-1]) for line in lines
     )
+
+
+def _with_served(name: str, served: dict[str, list[str]]) -> str:
+    """`llama (LlamaForCausalLM, MistralForCausalLM)` for an architecture, the bare name otherwise."""
+    return f"{name} ({', '.join(served[name]) or 'any, as a fallback'})" if name in served else name

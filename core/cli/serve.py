@@ -66,7 +66,12 @@ def run(args: argparse.Namespace) -> int:
     # A mistyped --tool-call-parser fails now, not at the first tool request after a model load.
     check_tool_parser_flag(get_plugin_manager().registry("tool_parser"), engine_config.tool_call_parser)
     print(f"fw: loading {engine_config.model} ...", file=sys.stderr, flush=True)
-    engine = create_engine(engine_config)  # LLMEngine, or fw.pooling's EncoderEngine for an encoder
+    if engine_config.data_parallel_size > 1:  # replicas in processes of their own, replica 0 in this one
+        from fw.distributed.data_parallel import DataParallelEngine
+
+        engine = DataParallelEngine.start(engine_config, create_engine)
+    else:
+        engine = create_engine(engine_config)  # LLMEngine, or fw.pooling's EncoderEngine for an encoder
     names = served_names(server_config, model_arg, engine.loaded.source.path)
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(names[0], engine.loaded.attention.chosen.name, lambda: async_engine.stats,

@@ -21,6 +21,9 @@ def _refuse(tp: int, why: str) -> UnsupportedConfigurationError:
 def check_layout(config: EngineConfig) -> None:
     """--tensor-parallel-size, --nnodes, --node-rank and --dist-init-addr together."""
     tp, nodes = config.tensor_parallel_size, config.nnodes
+    if config.data_parallel_size > 1:
+        raise ConfigError(f"--data-parallel-size {config.data_parallel_size}: replicas run behind `fw serve`; the "
+                          f"library and `fw generate` run one engine (use --data-parallel-size 1 there)")
     if config.node_rank >= nodes:
         raise ConfigError(f"--node-rank must be in 0..{nodes - 1} (--nnodes {nodes}), got {config.node_rank}")
     if tp % nodes:

@@ -20,6 +20,13 @@ class Kind:
     files: dict[str, str]  # template (under templates/) -> path in the package ({package} substituted)
     dependencies: tuple[str, ...]
     description: str  # pyproject description; `{name}` substituted
+    # the oldest plugin API (MAJOR.MINOR) with everything the templates use: what the package declares,
+    # so it loads on every fw since (a newer declaration would warn on older cores for nothing)
+    min_api_version: str = "1.0"
+    template_dir: str = ""  # where README.section.md.tmpl is (default: cli_name)
+
+    def readme_template(self) -> str:
+        return f"{self.template_dir or self.cli_name}/README.section.md.tmpl"
 
     def all_files(self) -> dict[str, str]:
         return {**COMMON_FILES, **self.files}
@@ -48,3 +55,13 @@ KINDS: dict[str, Kind] = {k.cli_name: k for k in (
     Kind("grammar", "grammar_backend", "grammar backend", _files("grammar"), ("fw>=0.1", "torch>=2.5"),
          "The {name} grammar backend for fw: choice constraints matched over token bytes."),
 )}
+
+# `--kind architecture --hf-class X`: a port of transformers' X (fw.scaffold.port), with transformers'
+# own config class (no config.py) and transformers' X as the tests' oracle.
+PORT = Kind("architecture", "architecture", "architecture",
+            {"architecture_port/plugin.py.tmpl": "{package}/plugin.py",
+             "architecture_port/model.py.tmpl": "{package}/model.py",
+             "architecture_port/test_plugin.py.tmpl": "tests/test_{package}.py"},
+            ("fw>=0.1", "torch>=2.5", "transformers>=5.0"),
+            "The {name} architecture for fw: a port of transformers' {hf_class} from fw.layers.",
+            min_api_version="1.5", template_dir="architecture_port")  # PostNormDecoderLayer, full-width q/k norm, RMSNorm rounding, DecoderModel(norm=)

@@ -210,8 +210,17 @@ class AsyncEngine:
                 self._fail_all(EngineFaultError(f"the engine failed while running this request ({type(exc).__name__})"))
                 continue
             self._deliver(outputs)
+            self._fail_some()
             self.stats = self.engine.stats()
         self._drain_commands()
+
+    def _fail_some(self) -> None:
+        """Streams whose requests failed on their own (fw.distributed.data_parallel: their replica died)."""
+        take = getattr(self.engine, "take_failures", None)
+        for request_id, error in (take() if take is not None else ()):
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.push(error)
 
     def _lost_rank_while_idle(self) -> bool:
         """An idle engine learns of a dead worker from its cluster's watcher (within the 1 s idle wait),

@@ -51,6 +51,16 @@ class _EngineCollector:
             yield c
             yield gauge("fw_spec_decode_mean_acceptance_length", "Tokens emitted per verify pass (1 + accepted "
                         "/ drafts).", s["spec_mean_acceptance_length"])
+        if "data_parallel" in s:  # --data-parallel-size (fw.distributed.data_parallel): one sample per replica
+            up = GaugeMetricFamily("fw_replica_up", "1 while a data-parallel replica serves, 0 once it is lost.",
+                                   labels=[*names, "replica"])
+            served = CounterMetricFamily("fw_replica_requests", "Requests routed to a data-parallel replica.",
+                                         labels=[*names, "replica"])
+            for replica in s["data_parallel"]:
+                up.add_metric([*values, str(replica["replica"])], float(replica["alive"]))
+                served.add_metric([*values, str(replica["replica"])], replica["requests_served"])
+            yield up
+            yield served
         if "num_compilations" in s:  # --enable-torch-compile (fw.compile): unchanged after warm-up
             c = CounterMetricFamily("fw_compilations", "Graphs torch.compile built or loaded for the model step.",
                                     labels=names)

@@ -39,7 +39,8 @@ async def list_models(request: Request) -> dict:
 async def health(request: Request) -> Response:
     state = _state(request)
     if state.engine.alive and not state.draining:
-        return Response(status_code=200)
+        degraded = getattr(state.engine.engine, "degraded", None)  # some data-parallel replicas are lost
+        return JSONResponse({"status": "degraded", "detail": degraded}) if degraded else Response(status_code=200)
     why = f"the engine is dead: {state.engine.dead}" if state.engine.dead else "the engine is not serving"
     return JSONResponse(error_body(why, "service_unavailable", 503), status_code=503)
 

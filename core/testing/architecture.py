@@ -34,6 +34,7 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
     hf_config = options.get("hf_config")
     cases = []
     if hf_config is not None:
+        models.check_vocab(hf_config, "conformance_suite('architecture', hf_config=...)")  # at collection, not mid-run
         arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
         cases.append(Case(arch, {"arch": arch, "hf_config": hf_config}))
     else:
@@ -75,8 +76,6 @@ def plugins_with(spec: Any):
 
 
 def run_case(spec: Any, case: Case, device: str, steps: int) -> None:
-    from transformers import GenerationConfig
-
     from fw import LLM, SamplingParams
     from fw.testing import models
 
@@ -88,24 +87,18 @@ def run_case(spec: Any, case: Case, device: str, steps: int) -> None:
         raise AssertionError(f"{case.id}: fw ran the model with architecture {chosen.name!r}, not {spec.name!r}")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1))
     hf = models.load_reference(path)
-    config = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
     tok = models.tokenizer()
     for out, prompt in zip(outs, PROMPTS):
-        ids = tok(prompt).input_ids
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), generation_config=config, attention_mask=torch.ones(1, len(ids)))
-        want = ref.sequences[0, len(ids):].tolist()
+        want, ref_logprobs = models.greedy_reference(hf, tok(prompt).input_ids, steps)
         got = out.outputs[0]
         if got.token_ids != want:
             first = next(i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b)
             raise AssertionError(f"{case.id}: prompt {prompt!r}: greedy tokens differ from transformers at step "
                                  f"{first}: fw {got.token_ids}, transformers {want}")
         worst, where = 0.0, 0
-        for step, (entry, token) in enumerate(zip(got.logprobs, want)):
-            ref_lp = torch.log_softmax(ref.logits[step][0].float(), dim=-1)[token].item()
-            if abs(entry[token].logprob - ref_lp) > worst:
-                worst, where = abs(entry[token].logprob - ref_lp), step
+        for step, (entry, token, ref) in enumerate(zip(got.logprobs, want, ref_logprobs)):
+            if abs(entry[token].logprob - ref[token].item()) > worst:
+                worst, where = abs(entry[token].logprob - ref[token].item()), step
         if worst > LOGPROB_TOLERANCE:
             raise AssertionError(f"{case.id}: prompt {prompt!r}: worst |logprob fw - transformers| = {worst:.4g} at "
                                  f"step {where} (tolerance {LOGPROB_TOLERANCE:g})")

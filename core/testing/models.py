@@ -6,7 +6,8 @@ are drawn wider than transformers' init (which makes a model that repeats one to
 text varies and its top choice is not decided by rounding noise; the comparisons stay meaningful.
 
 `tiny_checkpoint(architecture, path)` writes one; `architecture` is a Hugging Face class name
-(`"LlamaForCausalLM"`) or a built-in fw architecture name (`"llama"`), or pass `hf_config`."""
+(`"LlamaForCausalLM"`) or a built-in fw architecture name (`"llama"`), or pass `hf_config`, whose
+`vocab_size` must be at least `VOCAB_SIZE` (the tokenizer's ids index the embedding)."""
 
 from __future__ import annotations
 
@@ -163,10 +164,19 @@ def randomize(model, seed: int = 7) -> None:
             norm.weight.fill_(3.0 if gemma else 4.0)
 
 
+def check_vocab(config: Any, who: str = "fw.testing") -> None:
+    """Raise ValueError unless `config.vocab_size` holds the kit tokenizer's VOCAB_SIZE ids."""
+    size = getattr(config, "vocab_size", None)
+    if not isinstance(size, int) or size < VOCAB_SIZE:
+        raise ValueError(f"{who}: the config's vocab_size is {size!r}, but the kit's tokenizer has {VOCAB_SIZE} "
+                         f"tokens, whose ids index the embedding; set vocab_size={VOCAB_SIZE} (or more)")
+
+
 def tiny_checkpoint(architecture: str | None, path: str | Path, hf_config: Any = None, seed: int = 7) -> Path:
     """Write a random-weight checkpoint (config.json, model.safetensors, tokenizer) into `path`."""
     path = Path(path)
     config = hf_config if hf_config is not None else make_config(architecture)
+    check_vocab(config, "tiny_checkpoint")
     torch.manual_seed(seed)
     model = build_model(config).to(torch.float32)
     randomize(model, seed)
@@ -186,3 +196,14 @@ def load_reference(path: str | Path):
     model = model_class(config).from_pretrained(path, **options)
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+def greedy_reference(model, ids: list[int], new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy continuation of `ids` (never stopping at EOS) and each step's fp32 log-softmax."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), generation_config=config, attention_mask=torch.ones(1, len(ids)))
+    return out.sequences[0, len(ids):].tolist(), [torch.log_softmax(s[0].float(), dim=-1) for s in out.logits]
