@@ -186,7 +186,8 @@ def test_bad_configurations_are_config_errors_naming_the_flag(value, message):
 
 def test_unknown_method_and_options_are_refused_before_the_model_loads():
     registry = PluginManager().load().registry("proposer")
-    with pytest.raises(UnknownImplementationError, match="--speculative-config: method 'eagle'.*registered: ngram"):
+    with pytest.raises(UnknownImplementationError,
+                       match="--speculative-config: method 'eagle'.*registered: draft_model, ngram"):
         Speculator(SpeculativeConfig.parse({"method": "eagle"}), registry)
     with pytest.raises(ConfigError, match="ngram.*'model' was unexpected"):
         Speculator(SpeculativeConfig.parse({"method": "ngram", "model": "x"}), registry)
