@@ -25,6 +25,9 @@ from fw.scaffold import KINDS, PluginNames, new_plugin
 NAMES = {"architecture": "tiny-arch", "attention": "loop-attn", "quantization": "int8-channel",
          "sampler": "top-nsigma", "grammar": "choice-trie"}
 
+# NAME -> the transformers class `--hf-class` ports under it
+PORTS = {"olmo2-port": "Olmo2ForCausalLM"}
+
 
 def fresh_env(site: Path) -> dict[str, str]:
     """The environment of a new process that sees the installed packages (and no FW_* settings)."""
@@ -42,6 +45,10 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     for kind, name in NAMES.items():
         assert main(["plugins", "new", "--kind", kind, name, "--output", str(base / "src")]) == 0
         packages[kind] = base / "src" / PluginNames.from_name(name).distribution
+    for name, hf_class in PORTS.items():  # ports of transformers classes, their tests with transformers as the oracle
+        assert main(["plugins", "new", "--kind", "architecture", "--hf-class", hf_class, name,
+                     "--output", str(base / "src")]) == 0
+        packages[name] = base / "src" / PluginNames.from_name(name).distribution
     site = base / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--disable-pip-version-check", "--target", str(site),
@@ -72,8 +79,8 @@ def test_fw_plugins_list_shows_each_generated_plugin(installed):
 
 
 def test_generated_packages_pass_their_own_tests(installed):
-    """All five test directories in one pytest process (imports are paid once); each must have run its
-    own tests and its conformance suite, with nothing failing."""
+    """All six test directories (five kinds and a port) in one pytest process (imports are paid once);
+    each must have run its own tests and its conformance suite, with nothing failing."""
     site, packages = installed
     report = site.parent / "report.xml"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
@@ -90,7 +97,7 @@ def test_generated_packages_pass_their_own_tests(installed):
         counts = outcomes.setdefault(module, {})
         counts[key] = counts.get(key, 0) + 1
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    for kind, name in NAMES.items():
+    for kind, name in [*NAMES.items(), *(("architecture port", n) for n in PORTS)]:
         module = "test_" + PluginNames.from_name(name).package
         counts = outcomes.get(module, {})
         assert not counts.get("own_failed") and not counts.get("conformance_failed"), (kind, counts, run.stdout[-6000:])
