@@ -185,3 +185,85 @@ def test_dp2_spreads_a_load_over_both_replicas_and_keeps_serving_when_one_dies(t
     finally:
         server.kill()
     assert not [pid for pid in replicas if alive(pid)]
+
+
+# -- launches: two `fw serve --nnodes 2` processes, torchrun -------------------------------------
+
+
+def expected_texts(llm, prompts: list[str], max_tokens: int = 16) -> list[str]:
+    from fw import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.slow
+def test_two_fw_serve_nodes_give_the_tokens_of_one_process(tmp_path, gqa_dir, llm):
+    """`fw serve --nnodes 2 --node-rank 0|1 --dist-init-addr 127.0.0.1:PORT`: node 0 serves, node 1 runs rank 1."""
+    import subprocess
+    import sys
+
+    from server_fixtures import free_port, server_env
+
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ["--model", str(gqa_dir), "--dtype", "float32", "--kv-cache-memory", "4MiB", "--tp", "2", "--nnodes", "2",
+             "--dist-init-addr", addr]
+    node1 = subprocess.Popen([sys.executable, "-m", "fw.cli.main", "serve", *flags, "--node-rank", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env())
+    server = ServerProcess(["--served-model-name", "m", *flags, "--node-rank", "0"], tmp_path)
+    try:
+        server.wait_ready(120)
+        assert not [pid for pid in children(server.proc.pid) if is_worker(pid)]  # node 0 holds rank 0 only
+        assert complete_all(server, DP_PROMPTS[:4]) == expected_texts(llm, DP_PROMPTS[:4])
+        server.stop(20)
+        output, _ = node1.communicate(timeout=30)
+        assert node1.returncode == 0, output
+    finally:
+        server.kill()
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_torchrun_two_processes_give_the_tokens_of_one_process(tmp_path, gqa_dir, llm):
+    """`torchrun --nproc-per-node 2 -m fw.cli.main serve ...`: rank 0 serves, rank 1 is a worker in
+    torchrun's second process; they meet in torchrun's store. --tp is taken from WORLD_SIZE."""
+    import subprocess
+    import sys
+
+    from server_fixtures import free_port, server_env
+
+    port = free_port()
+    torchrun = Path(sys.executable).parent / "torchrun"
+    log = tmp_path / "torchrun.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "-m", "fw.cli.main", "serve", "--host",
+                                 "127.0.0.1", "--port", str(port), "--model", str(gqa_dir), "--served-model-name", "m",
+                                 "--dtype", "float32", "--kv-cache-memory", "4MiB"],
+                                stdout=out, stderr=subprocess.STDOUT, env=server_env(), cwd=tmp_path)
+    server = ServerProcess.__new__(ServerProcess)  # only its HTTP helpers: the process is torchrun's
+    server.url, server.base_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/v1"
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        ranks = children(proc.pid)
+        assert len(ranks) == 2, log.read_text()  # both ranks are torchrun's processes, no fw-spawned worker
+        assert not [pid for rank in ranks for pid in children(rank) if is_worker(pid)]
+        assert complete_all(server, DP_PROMPTS[:4]) == expected_texts(llm, DP_PROMPTS[:4])
+        assert "tensor parallel: 2 ranks joined" in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    time.sleep(0.5)
+    assert not [pid for pid in ranks if alive(pid)], log.read_text()

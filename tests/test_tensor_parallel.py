@@ -137,6 +137,22 @@ def test_layouts_that_cannot_start_are_refused(gqa_dir, options, message):
         make_llm(gqa_dir, **options)
 
 
+def test_a_launchers_variables_set_the_layout_and_another_tp_is_refused():
+    """torchrun's env:// variables (fw.distributed.launch): --tp is the world size, nodes follow from it."""
+    from fw.config import EngineConfig
+    from fw.distributed.launch import configure, from_env
+
+    env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29500"}
+    launched = from_env(env)
+    config = configure(EngineConfig(), launched)
+    assert (config.tensor_parallel_size, config.nnodes, config.node_rank) == (4, 2, 1)
+    assert config.dist_init_addr == "10.0.0.1:29500" and launched.local_rank == 0
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 2: the launcher started 4 processes"):
+        configure(EngineConfig(tensor_parallel_size=2), launched)
+    assert from_env({}) is None and from_env({**env, "WORLD_SIZE": "1"}) is None
+
+
 # -- faults: an error within seconds -------------------------------------------------------------
 
 

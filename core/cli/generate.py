@@ -38,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from fw.sampling.params import SamplingParams
 
     config = resolve_config(cli=vars(args), config_file=args.config)
+    from fw.distributed.launch import under_launcher
+
+    config = under_launcher(config)  # torchrun: ranks other than 0 become workers here
     if config.node_rank > 0:  # this machine runs tensor-parallel workers only; node 0 generates
         from fw.distributed.node import run_node
 

@@ -41,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
     engine_config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))
     server_config = resolve_config(cli=vars(args), config_file=args.config, cls=ServerConfig,
                                    shares_file_with=(EngineConfig,))
+    from fw.distributed.launch import under_launcher
+
+    engine_config = under_launcher(engine_config)  # torchrun: ranks other than 0 become workers here
     if engine_config.node_rank > 0:  # this machine runs tensor-parallel workers only; node 0 serves
         from fw.distributed.node import run_node
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 
 from fw.config import EngineConfig
-from fw.distributed import rendezvous, shm, step
+from fw.distributed import launch, rendezvous, shm, step
 from fw.distributed.checks import check_config, check_layout
 from fw.distributed.group import TensorParallel
 from fw.distributed.processes import STOP_WAIT_S, describe_exit, spawn_workers, stop_processes
@@ -67,8 +67,12 @@ class Cluster:
         if config.model is not None:
             _check_model(config, plugins)
         world, local_ranks = config.tensor_parallel_size, config.tensor_parallel_size // config.nnodes
-        store, addr = rendezvous.serve_store(config.dist_init_addr, world, config.dist_init_timeout)
-        procs = spawn_workers(config, addr, range(1, local_ranks), local_ranks)
+        launched = launch.from_env()
+        if launched is not None:  # torchrun started every rank: the others are its processes, not fw's
+            store, addr, procs = launch.open_store(launched, config.dist_init_timeout), launched.addr, {}
+        else:
+            store, addr = rendezvous.serve_store(config.dist_init_addr, world, config.dist_init_timeout)
+            procs = spawn_workers(config, addr, range(1, local_ranks), local_ranks)
         cluster = cls(config, store, addr, procs)
         try:
             try:

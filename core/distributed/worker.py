@@ -43,14 +43,16 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="fw-tp-parent", daemon=True).start()
 
 
-def run_worker(config: EngineConfig, rank: int, addr: str, local_rank: int, local_ranks: int) -> None:
-    """A spawned worker process's main. It ends with os._exit: tearing down gloo's threads in the
-    interpreter's finalisation aborted the process now and then (SIGABRT after a clean STOP)."""
+def run_worker(config: EngineConfig, rank: int, addr: str, local_rank: int, local_ranks: int,
+               connect=rendezvous.reach_store) -> None:
+    """A worker process's main (spawned by rank 0 or a node, or started by a launcher, whose store
+    `connect` opens). It ends with os._exit: tearing down gloo's threads in the interpreter's
+    finalisation aborted the process now and then (SIGABRT after a clean STOP)."""
     _exit_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
     store, code = None, 1
     try:
-        store = rendezvous.reach_store(addr, rank, config.dist_init_timeout)
+        store = connect(addr, rank, config.dist_init_timeout)
         rendezvous.announce(store, rank, config)
         rendezvous.wait_for_release(store, rank, config.dist_init_timeout)
         local = shm.attach(store, rank, config.tensor_parallel_size, config.dist_timeout)  # before the group forms
