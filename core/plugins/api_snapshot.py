@@ -84,6 +84,7 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.layers.blocks.SelfAttention", "use"),
     ("fw.layers.blocks.GatedMLP", "use"),
     ("fw.layers.blocks.PreNormDecoderLayer", "use"),
+    ("fw.layers.blocks.PostNormDecoderLayer", "use"),
     ("fw.layers.blocks.DecoderModel", "use"),
     ("fw.layers.causal_lm.CausalLM", "use"),
     ("fw.layers.weights.load_named_weights", "use"),
@@ -91,6 +92,17 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.layers.moe.FusedExperts", "use"),
     ("fw.layers.moe.load_moe_weights", "use"),
     ("fw.layers.moe.topk_routing", "use"),
+    # the test kit plugin authors' tests call (docs/plugin-testing.md#helpers)
+    ("fw.testing.suite.conformance_suite", "use"),
+    ("fw.testing.models.tokenizer", "use"),
+    ("fw.testing.models.make_config", "use"),
+    ("fw.testing.models.build_model", "use"),
+    ("fw.testing.models.randomize", "use"),
+    ("fw.testing.models.tiny_checkpoint", "use"),
+    ("fw.testing.models.load_reference", "use"),
+    ("fw.testing.models.greedy_reference", "use"),
+    ("fw.testing.sequences.FakeSequence", "use"),
+    ("fw.testing.pipeline.sampler_pipeline", "use"),
     # errors plugins raise and catch
     ("fw.errors.FwError", "use"),
     ("fw.errors.ConfigError", "use"),
@@ -106,7 +118,8 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
 )
 
 # Modules whose public names (`__all__`) plugins import: removing one breaks them.
-STABLE_MODULES: tuple[str, ...] = ("fw.plugins", "fw.layers", "fw.grammar", "fw.warm", "fw.speculative")
+STABLE_MODULES: tuple[str, ...] = ("fw.plugins", "fw.layers", "fw.grammar", "fw.warm", "fw.speculative",
+                                   "fw.testing")
 
 # Values plugins compare against or name in their pyproject.
 STABLE_CONSTANTS: tuple[str, ...] = (
