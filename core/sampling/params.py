@@ -8,6 +8,7 @@ from typing import Any
 
 from fw.errors import InvalidRequestError
 from fw.grammar.constraint import StructuredOutputsParams
+from fw.speculative.config import check_request_structure
 
 
 @dataclass
@@ -25,7 +26,9 @@ class SamplingParams:
     engine checks each against the sampler's declared schema. `allowed_token_ids`
     (vLLM's field) restricts every generated token to those ids. `speculative=False` opts the
     request out of speculative decoding when the engine runs with `--speculative-config` (its output
-    is the same either way; speculation only changes how fast it comes).
+    is the same either way; speculation only changes how fast it comes); `speculative_config`, keys of
+    that flag's object, tunes it for this request: `num_speculative_tokens` (at most the engine's),
+    and `method` / `model`, which must name the engine's own when given.
     """
 
     n: int = 1
@@ -52,6 +55,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
     speculative: bool = True
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +111,8 @@ class SamplingParams:
                 raise bad(name, f"must be between 0 and 20, got {value}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if self.speculative_config is not None:
+            check_request_structure(self.speculative_config)
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
                 if not -100.0 <= float(bias) <= 100.0:

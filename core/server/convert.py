@@ -42,6 +42,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         samplers=req.samplers,
         allowed_token_ids=req.allowed_token_ids,
         speculative=req.speculative,
+        speculative_config=req.speculative_config,
     )
 
 

@@ -103,8 +103,10 @@ class SamplingFields(_Request):
     # per-request sampler stages by name, [{"name": "dry", "multiplier": 0.8}, "xtc"], and vLLM's allowed_token_ids
     samplers: list[dict[str, Any] | str] | None = None
     allowed_token_ids: list[int] | None = None
-    # speculative decoding (--speculative-config): false opts this request out
+    # speculative decoding (--speculative-config): false opts this request out; speculative_config tunes it
+    # for this request ({"num_speculative_tokens": 2}; method and model must be the engine's when given)
     speculative: bool = True
+    speculative_config: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from fw.errors import ConfigError
+from fw.errors import ConfigError, InvalidRequestError
 
 FLAG = "--speculative-config"
 MAX_SPECULATIVE_TOKENS = 16
@@ -71,4 +71,34 @@ class SpeculativeConfig:
         return cls(method, k, batch, float(rate), raw)
 
 
-__all__ = ["CORE_KEYS", "FLAG", "MAX_SPECULATIVE_TOKENS", "SpeculativeConfig"]
+# A request's `speculative_config` (SamplingParams): what one request may set, and what it means.
+REQUEST_KEYS = {
+    "num_speculative_tokens": "the most draft tokens per step for this request, 1 to the engine's",
+    "method": "must be the engine's method (a request cannot switch proposers)",
+    "model": "must be the engine's draft model (a request cannot switch drafts)",
+}
+REQUEST_PARAM = "speculative_config"
+
+
+def check_request_structure(value: Any) -> None:
+    """A request's `speculative_config` on its own (types, keys, k's range); what depends on the engine
+    (its method, draft and k) is checked when the request is added (`Speculator.check_request`)."""
+    def bad(why: str) -> InvalidRequestError:
+        return InvalidRequestError(f"{REQUEST_PARAM}: {why}", param=REQUEST_PARAM)
+
+    if not isinstance(value, dict):
+        raise bad(f"expected an object such as {{\"num_speculative_tokens\": 2}}, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(REQUEST_KEYS))
+    if unknown:
+        raise bad(f"unknown key(s) {', '.join(map(repr, unknown))}; a request may set "
+                  f"{', '.join(REQUEST_KEYS)} (the others are the engine's: {FLAG})")
+    k = value.get("num_speculative_tokens")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+        raise bad(f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    for key in ("method", "model"):
+        if key in value and (not isinstance(value[key], str) or not value[key]):
+            raise bad(f"{key} must be a non-empty string, got {value[key]!r}")
+
+
+__all__ = ["CORE_KEYS", "FLAG", "MAX_SPECULATIVE_TOKENS", "REQUEST_KEYS", "SpeculativeConfig",
+           "check_request_structure"]

@@ -21,8 +21,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from fw.errors import ConfigError, UnknownImplementationError
-from fw.speculative.config import FLAG, SpeculativeConfig
+from fw.errors import ConfigError, InvalidRequestError, UnknownImplementationError
+from fw.speculative.config import FLAG, REQUEST_PARAM, SpeculativeConfig
 from fw.speculative.contract import Draft, DraftRequest, ProposerContext
 
 logger = logging.getLogger("fw.speculative")
@@ -99,6 +99,7 @@ class Speculator:
         except UnknownImplementationError as exc:
             raise UnknownImplementationError(f"{FLAG}: method {config.method!r}: {exc}") from None
         self.spec = spec
+        self.registered = sorted(registry.names())
         self.args = checked_args(spec, config.args)
         self.proposer = None
         self.vocab_size = 0
@@ -111,6 +112,33 @@ class Speculator:
             self.proposer = self.spec.factory(self.args, context)
         except (ValueError, TypeError) as exc:  # a factory's own checks of its options
             raise ConfigError(f"{FLAG}: {self.spec.name}: {exc}") from None
+
+    def check_request(self, params) -> None:
+        """A request's `speculative_config` against this engine: the method and draft model it names (if
+        any) must be the engine's, and its k at most the engine's."""
+        wanted = params.speculative_config
+        if not wanted:
+            return
+        method = wanted.get("method", self.config.method)
+        if method != self.config.method:
+            known = (f"no proposer is named {method!r} (registered: {', '.join(self.registered)})"
+                     if method not in self.registered else f"{method!r} is installed")
+            raise InvalidRequestError(
+                f"{REQUEST_PARAM}: method {method!r}: {known}, and this engine speculates with "
+                f"{self.config.method!r}; a request cannot switch proposers (drop method, or start an engine "
+                f"with {FLAG} naming it)", param=REQUEST_PARAM)
+        model, mine = wanted.get("model"), self.args.get("model")
+        if model is not None and model != mine:
+            has = f"this engine's draft model is {mine!r}" if mine else \
+                f"method {self.config.method!r} uses no draft model"
+            raise InvalidRequestError(f"{REQUEST_PARAM}: model {model!r}: {has}; a request cannot switch drafts "
+                                      f"(drop model)", param=REQUEST_PARAM)
+        k = wanted.get("num_speculative_tokens")
+        if k is not None and k > self.config.num_speculative_tokens:
+            raise InvalidRequestError(
+                f"{REQUEST_PARAM}: num_speculative_tokens {k} is above this engine's "
+                f"{self.config.num_speculative_tokens} ({FLAG}); give 1 to {self.config.num_speculative_tokens}",
+                param=REQUEST_PARAM)
 
     def propose(self, running: list, max_length: int) -> None:
         """Set the drafts of this step (cleared on every running sequence first)."""
@@ -130,8 +158,10 @@ class Speculator:
             if state.paused_steps > 0:
                 state.paused_steps -= 1
                 continue
+            wanted = seq.params.speculative_config
             k = min(self.config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
-                    max_length - seq.num_tokens - 1)
+                    max_length - seq.num_tokens - 1,
+                    (wanted or {}).get("num_speculative_tokens") or self.config.num_speculative_tokens)
             if k < 1:
                 continue
             seqs.append(seq)
