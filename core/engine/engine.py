@@ -139,8 +139,8 @@ class LLMEngine:
 
     def _activation_reserve(self) -> int:
         """A generous bound on one step's temporaries: hidden/MLP activations and sampled logits."""
-        cfg, size = self.loaded.hf_config, torch.tensor([], dtype=self.loaded.dtype).element_size()
-        inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+        cfg, size = self.loaded.model_config, torch.tensor([], dtype=self.loaded.dtype).element_size()
+        inter = cfg.intermediate_size or 4 * cfg.hidden_size
         tokens = self.config.max_batch_input_tokens
         return tokens * (6 * cfg.hidden_size + 3 * inter) * size + self.config.max_batch_size * cfg.vocab_size * 12
 

@@ -31,6 +31,7 @@ from fw.layers.norm import RMSNorm
 from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from fw.layers import cpu_ops, dense
 from fw.layers.rotary import RotaryEmbedding, rotate_heads_
+from fw.model_config import as_model_config
 
 # checkpoint sub-name -> (fused sub-name, shard index)
 FUSED_PROJECTIONS = {
@@ -196,12 +197,13 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg, ctx: ModelContext, max_positions: int, layers, head_dim: int | None = None,
                  norm: nn.Module | None = None):
         super().__init__()
+        cfg = as_model_config(cfg).require("norm_eps")  # a transformers config from a pre-1.5 plugin
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        head_dim = head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = head_dim or cfg.head_dim
         self.rotary = RotaryEmbedding(cfg, head_dim, max_positions, ctx.dtype)
         self.layers = nn.ModuleList(layers)
-        self.norm = norm if norm is not None else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.norm = norm if norm is not None else RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

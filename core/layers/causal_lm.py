@@ -8,7 +8,7 @@ the plain layout its row lookups need."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
@@ -18,20 +18,28 @@ from fw.layers.context import ModelContext
 from fw.layers.dense import dense_logits, pack_dense_weight
 from fw.layers.linear import Linear, UnquantizedLinearMethod
 from fw.layers.weights import load_named_weights
+from fw.model_config import ModelConfig, as_model_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class CausalLM(nn.Module):
     """`model` maps (input_ids, positions, attention metadata) to final hidden states and holds
     `embed_tokens`. Subclasses change `skip_weights`, `load_checkpoint` (say, for expert weights) or
-    `compute_logits` (say, a final soft-cap) where their family differs."""
+    `compute_logits` (say, a final soft-cap) where their family differs. `tie_by_default`: whether
+    the head is tied when the config does not say (Gemma ties, Llama does not)."""
 
     skip_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)  # checkpoint names that are not parameters
 
-    def __init__(self, cfg, ctx: ModelContext, model: nn.Module, tie_by_default: bool = False):
+    def __init__(self, cfg: ModelConfig | PretrainedConfig, ctx: ModelContext, model: nn.Module,
+                 tie_by_default: bool = False):
         super().__init__()
         self.config = cfg
         self.model = model
-        self.tie = bool(getattr(cfg, "tie_word_embeddings", tie_by_default))
+        model_cfg = as_model_config(cfg)
+        self.tie = tie_by_default if model_cfg.tie_word_embeddings is None else model_cfg.tie_word_embeddings
+        cfg = model_cfg
         if not self.tie:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ctx, "lm_head")
             self.lm_head.fp32_out = True

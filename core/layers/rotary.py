@@ -6,32 +6,58 @@ the reference; cos/sin are cached for all positions once."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from fw.errors import ModelLoadError
 from fw.layers import cpu_ops
+from fw.model_config import ModelConfig, RopeConfig, as_model_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
-def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-        return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)), 1.0
-    if rope_type == "dynamic":
+def rope_inv_freq(rope: RopeConfig | ModelConfig | PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling of one rotary embedding (`rope`: a `RopeConfig`, or a
+    model's config, whose `rope` is taken)."""
+    if not isinstance(rope, RopeConfig):
+        rope = as_model_config(rope).rope
+    if rope.rope_type == "default":
+        rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        return 1.0 / (rope.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)), 1.0
+    if rope.rope_type == "dynamic":
         raise ModelLoadError("rope type 'dynamic' depends on the sequence length and is not supported yet")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # only scaled ropes pay for the import
 
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ModelLoadError(f"unknown rope type {rope_type!r} in the model config")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    if rope.rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"unknown rope type {rope.rope_type!r} in the model config")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope.rope_type](_TransformersRope(rope, head_dim), torch.device("cpu"))
     return inv_freq.float(), float(scaling)
 
 
+class _TransformersRope:
+    """What transformers' rope initialisers read from a config: the rope dict and the head size.
+    `hidden_size` / `num_attention_heads` only back their `head_dim` fallback, which never applies."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        self.rope_parameters = dict(rope.parameters)
+        self.head_dim = head_dim
+        self.hidden_size, self.num_attention_heads = head_dim, 1
+        self.max_position_embeddings = rope.max_position_embeddings
+
+    def standardize_rope_params(self) -> None:
+        """`parameters` is standardised already (ModelConfig)."""
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype):
+    """cos/sin of every position up to `max_positions`. `hf_config`: the model's `ModelConfig`, one
+    layer type's `RopeConfig` (`ModelConfig.rope_for`), or a transformers config (read into a
+    ModelConfig)."""
+
+    def __init__(self, hf_config: ModelConfig | RopeConfig | PretrainedConfig, head_dim: int, max_positions: int,
+                 dtype: torch.dtype):
         super().__init__()
         inv_freq, scaling = rope_inv_freq(hf_config, head_dim)
         self.rotary_dim = inv_freq.numel() * 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from fw.distributed.group import CONTEXT_KEY as TP_CONTEXT_KEY, TensorParallel
 from fw.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError, UnsupportedConfigurationError
 from fw.layers import cpu_ops, dense, packed_int
 from fw.layers.context import ModelContext
+from fw.model_config import ModelConfig, as_model_config
 from fw.layers.encoder import BidirectionalAttention
 from fw.model_loader.attention_needs import check_built_layers, logit_softcap_needed, sliding_window_needed
 from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
@@ -52,6 +54,11 @@ class LoadedModel:
     max_length: int
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     kv_cache_dtype: torch.dtype | None = None  # what the KV cache is stored in (--kv-cache-dtype)
+
+    @cached_property
+    def model_config(self) -> ModelConfig:
+        """The model's config as the architecture read it (fw.model_config)."""
+        return as_model_config(self.hf_config)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -215,8 +222,9 @@ def load_model(cfg: EngineConfig, plugins: PluginManager, tensor_parallel: Tenso
                        extra={"moe_kernel": MoeKernelChooser(plugins.registry("moe_kernel"), cfg.moe_backend)})
     if tensor_parallel is not None:
         ctx.extra[TP_CONTEXT_KEY] = tensor_parallel
+    loaded_config = as_model_config(hf_config)  # read once, after the tied-head choice above
     with torch.device("cpu"):
-        model = arch.build(hf_config, ctx, max_length)
+        model = arch.build(loaded_config if arch.build_config == "model" else hf_config, ctx, max_length)
     if tensor_parallel is not None:
         check_model_is_split(model, arch.name, tensor_parallel.size)
     check_built_layers(model, attention.chosen)

@@ -7,10 +7,15 @@ named in its distribution's entry points, group ``fw``::
     my_plugin = "my_package.fw_plugin"
 
 Optionally it declares ``FW_PLUGIN_API_VERSION = "1.0"``.
+
+An architecture that sets `ArchitectureSpec(build_config="model")` receives a `ModelConfig`
+(fw.model_config), the model's config read once, instead of the transformers config.
 """
 
+from fw.model_config import ModelConfig, MoeConfig, RopeConfig
 from fw.plugins.hookspecs import ENTRY_POINT_GROUP, hookimpl
 from fw.plugins.specs import (
+    ArchitectureBuild,
     ArchitectureSpec,
     AttentionBackendSpec,
     AttentionRequirements,
@@ -19,8 +24,11 @@ from fw.plugins.specs import (
     MoeKernelSpec,
     MoeRequirements,
     ProposerSpec,
+    PerRequestSamplerStage,
     QuantizationMethodSpec,
+    SamplerChoice,
     SamplerSpec,
+    SamplerStage,
     ToolParserSpec,
     Verified,
 )
@@ -30,16 +38,23 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "PLUGIN_API_VERSION",
     "hookimpl",
+    "ArchitectureBuild",
     "ArchitectureSpec",
     "AttentionBackendSpec",
     "AttentionRequirements",
     "CliCommandSpec",
     "GrammarBackendSpec",
     "MoeKernelSpec",
+    "ModelConfig",
+    "MoeConfig",
     "MoeRequirements",
+    "PerRequestSamplerStage",
     "ProposerSpec",
     "QuantizationMethodSpec",
+    "RopeConfig",
+    "SamplerChoice",
     "SamplerSpec",
+    "SamplerStage",
     "ToolParserSpec",
     "Verified",
 ]

@@ -9,7 +9,8 @@ while the version did not move, saying what changed and which bump it needs:
 - major: something plugins rely on was removed or changed, or a parameter was added that existing
   plugins cannot supply or do not accept (a required parameter; any parameter of a hook or of an
   interface plugins implement, since the core calls implementations with every argument);
-- minor: only additions (a hook, a type, a member, an optional parameter of something plugins call).
+- minor: only additions (a hook, a type, a member, an optional parameter of something plugins call),
+  or a type given to an untyped parameter of something plugins call (`Any` -> the type its docstring stated).
 
 Regenerate after bumping (from the checkout's root)::
 
@@ -24,6 +25,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,10 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.plugins.specs.ProposerSpec", "use"),
     ("fw.plugins.specs.Verified", "use"),
     # the interfaces plugins implement
+    ("fw.plugins.specs.ArchitectureBuild", "impl"),
+    ("fw.plugins.specs.SamplerStage", "impl"),
+    ("fw.plugins.specs.PerRequestSamplerStage", "impl"),
+    ("fw.plugins.specs.SamplerChoice", "impl"),
     ("fw.layers.attention.AttentionBackend", "impl"),
     ("fw.layers.linear.LinearMethod", "impl"),
     ("fw.layers.moe.MoeKernel", "impl"),
@@ -60,6 +66,9 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.warm.artifact.WarmArtifact", "impl"),
     ("fw.speculative.contract.Proposer", "impl"),
     # what the core hands to plugins
+    ("fw.model_config.ModelConfig", "use"),
+    ("fw.model_config.RopeConfig", "use"),
+    ("fw.model_config.MoeConfig", "use"),
     ("fw.layers.attention.AttentionMetadata", "use"),
     ("fw.layers.context.ModelContext", "use"),
     ("fw.sampling.batch.SamplingBatch", "use"),
@@ -303,7 +312,7 @@ class Change:
     def __str__(self) -> str:
         level = "BREAKING" if self.breaking else "additive"
         if self.what == "changed":
-            return f"{level}: changed {self.key}: {self.old!r} -> {self.new!r}"
+            return f"{level}: {'typed' if not self.breaking else 'changed'} {self.key}: {self.old!r} -> {self.new!r}"
         return f"{level}: {self.what} {self.key}" + (f" ({self.new})" if self.new else "")
 
 
@@ -316,6 +325,33 @@ def _added_breaks(key: str, value: str, old: dict[str, str]) -> bool:
     return key.startswith(("hook ", "impl ")) or value.endswith(", required")
 
 
+def _split_annotation(entry: str) -> tuple[str, str]:
+    """A parameter entry without its annotation, and the annotation ("" when none)."""
+    head, sep, rest = entry.partition(" = ")
+    tail = sep + rest
+    if not sep and head.endswith(", required"):
+        head, tail = head.removesuffix(", required"), ", required"
+    where, _, annotation = head.partition(": ")
+    return where + tail, annotation
+
+
+def _typed_only(key: str, old: str, new: str) -> bool:
+    """A parameter of something plugins call (not a hook's, not an implemented interface's) that
+    gains the type its docstring already stated: no annotation, `Any`, or `Callable[..., Any]`
+    before, or an annotation whose `Any`s the new one fills in (`Callable[[], Any]` ->
+    `Callable[[], MoeKernel]`). The values accepted at run time do not change."""
+    if "(" not in key or key.startswith(("hook ", "impl ")):
+        return False
+    (old_rest, old_ann), (new_rest, new_ann) = _split_annotation(old), _split_annotation(new)
+    if old_rest != new_rest or not new_ann:
+        return False
+    if old_ann in ("", "Any", "Callable[..., Any]"):
+        return True
+    if "Any" not in old_ann:
+        return False
+    return re.fullmatch(".+".join(re.escape(part) for part in old_ann.split("Any")), new_ann) is not None
+
+
 def diff(old: dict[str, str], new: dict[str, str]) -> list[Change]:
     changes = []
     for key in sorted(old.keys() | new.keys()):
@@ -324,7 +360,7 @@ def diff(old: dict[str, str], new: dict[str, str]) -> list[Change]:
         elif key not in old:
             changes.append(Change(key, "added", None, new[key], _added_breaks(key, new[key], old)))
         elif old[key] != new[key]:
-            changes.append(Change(key, "changed", old[key], new[key], True))
+            changes.append(Change(key, "changed", old[key], new[key], not _typed_only(key, old[key], new[key])))
     return changes
 
 

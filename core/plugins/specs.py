@@ -8,7 +8,26 @@ into the list of reasons it cannot serve it (empty: it can).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, Sequence
+
+if TYPE_CHECKING:  # annotations only: listing plugins imports neither torch nor transformers
+    import argparse
+
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from fw.grammar.contract import GrammarCompiler
+    from fw.grammar.tokenizer import GrammarTokenizer
+    from fw.layers.attention import AttentionBackend
+    from fw.layers.context import ModelContext
+    from fw.layers.linear import LinearMethod
+    from fw.layers.moe import MoeKernel
+    from fw.model_config import ModelConfig
+    from fw.sampling.batch import SamplingBatch
+    from fw.sampling.params import SamplingParams
+    from fw.speculative.contract import Proposer, ProposerContext
+    from fw.tool_parsing import ToolParser
 
 KINDS = ("architecture", "attention_backend", "moe_kernel", "quantization_method", "sampler", "grammar_backend",
          "tool_parser", "cli_command", "proposer")
@@ -77,15 +96,49 @@ def verification(spec: Any, device: str, capability: tuple[int, int] | None = No
     return next((v for v in getattr(spec, "verified_on", ()) if v.covers(device, capability)), None)
 
 
+class ArchitectureBuild(Protocol):
+    """`ArchitectureSpec.build`: the model for `config` (a `fw.model_config.ModelConfig` when the spec
+    says `build_config="model"`, else the transformers config), with `ctx`'s dtype, device, attention
+    backend and linear method, and rotary tables for `max_positions` (None: the model's own maximum)."""
+
+    def __call__(self, config: ModelConfig | PretrainedConfig, ctx: ModelContext,
+                 max_positions: int | None = None, /) -> nn.Module: ...
+
+
+class SamplerStage(Protocol):
+    """A `SamplerSpec` stage: `apply` runs on the batch when `is_active` holds for some row's params."""
+
+    def is_active(self, params: SamplingParams, /) -> bool: ...
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch, /) -> torch.Tensor: ...
+
+
+class PerRequestSamplerStage(Protocol):
+    """A `per_request` stage: `apply` gets only the rows whose request names it, with each row's
+    arguments (what the optional `prepare(params, tokenizer)` returned, else the parameters)."""
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch, args: Sequence[Any], /) -> torch.Tensor: ...
+
+
+class SamplerChoice(Protocol):
+    """A `SamplerSpec` with role "choice": the final token per row."""
+
+    def choose(self, logits: torch.Tensor, batch: SamplingBatch, /) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class ArchitectureSpec:
-    """A model family. `build(hf_config, ctx, max_positions)` returns an `nn.Module` with
-    ``forward(input_ids, positions, attn_meta) -> hidden``, ``compute_logits(hidden)``
-    and ``load_weights(iterable of (name, tensor))``."""
+    """A model family. `build(config, ctx, max_positions)` (`ArchitectureBuild`) returns an `nn.Module`
+    with ``forward(input_ids, positions, attn_meta) -> hidden``, ``compute_logits(hidden)`` and
+    ``load_weights(iterable of (name, tensor))``.
+
+    `build_config` says what `build` receives: "hf", the transformers config object (what plugins
+    written before plugin API 1.5 get), or "model", fw's `ModelConfig`, the config read once, with
+    its defaults applied and its missing fields refused (docs/plugin-authors/architectures.md)."""
 
     name: str
     hf_architectures: tuple[str, ...]
-    build: Callable[..., Any]
+    build: ArchitectureBuild
     gguf_architectures: tuple[str, ...] = ()
     # Quantization methods are `LinearMethod`s, so a model built from `fw.layers.Linear` takes all of
     # them: None (the default) accepts every installed method; a tuple opts out of the rest (() accepts
@@ -93,13 +146,13 @@ class ArchitectureSpec:
     # a checkpoint that ships them quantized is refused by the loader (fw.model_loader.quantized_weights).
     supported_quantization: tuple[str, ...] | None = None
     # (hf_name, tensor, hf_config) -> tensor, for GGUF files whose layout differs from HF's
-    gguf_weight_transform: Callable[[str, Any, Any], Any] | None = None
+    gguf_weight_transform: Callable[[str, torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
     description: str = ""
     # A fallback serves models by their config rather than by name: `--model-impl auto` uses it when no
     # native spec claims the model, `--model-impl transformers` always. Its `hf_architectures` may be
     # empty; `rejection_reason(hf_config)` returns None when it can run the model, else why not.
     fallback: bool = False
-    rejection_reason: Callable[[Any], str | None] | None = None
+    rejection_reason: Callable[[PretrainedConfig], str | None] | None = None
     # What the model is for. "generate": a causal LM over the paged KV cache, `forward` + `compute_logits`
     # (it also embeds with --task embed, its hidden states pooled). "embed": an encoder without KV cache
     # (bidirectional attention; `forward(input_ids, positions, fw.layers.EncoderMetadata)` -> hidden states,
@@ -108,7 +161,14 @@ class ArchitectureSpec:
     # How hidden states become one vector when the checkpoint does not say (no sentence-transformers
     # 1_Pooling/config.json) and --pooling is auto: "last" (token), "mean", "cls" (first token) or "max".
     default_pooling: str = "last"
+    # What `build` receives: "hf" (the transformers config) or "model" (fw.model_config.ModelConfig).
+    build_config: Literal["hf", "model"] = "hf"
     kind = "architecture"
+
+    def __post_init__(self) -> None:
+        if self.build_config not in ("hf", "model"):
+            raise ValueError(f"architecture {self.name!r}: build_config must be 'hf' or 'model', "
+                             f"not {self.build_config!r}")
 
     def summary(self) -> dict:
         return {
@@ -145,7 +205,7 @@ class AttentionBackendSpec:
     backend cannot run in this process (a missing package, no GPU, ...)."""
 
     name: str
-    backend_cls: Callable[..., Any]
+    backend_cls: type[AttentionBackend]
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
     head_sizes: tuple[int, ...] | None = None
@@ -234,7 +294,7 @@ class MoeKernelSpec:
     selection time and returns None, or why the kernel cannot run in this process."""
 
     name: str
-    kernel_cls: Callable[[], Any]
+    kernel_cls: Callable[[], MoeKernel]
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
     activations: tuple[str, ...] | None = None
@@ -272,7 +332,7 @@ class QuantizationMethodSpec:
     whether a checkpoint's `quantization_config` is in this method's format."""
 
     name: str
-    factory: Callable[[dict], Any]
+    factory: Callable[[dict], LinearMethod]
     detects: Callable[[dict], bool] | None = None
     devices: tuple[str, ...] = ("cpu", "cuda")
     available: Callable[[], str | None] | None = None
@@ -301,7 +361,7 @@ class SamplerSpec:
     top-level `default`s are filled in. A per-request stage without one takes no parameters."""
 
     name: str
-    factory: Callable[[], Any]
+    factory: Callable[[], SamplerStage | PerRequestSamplerStage | SamplerChoice]
     role: Literal["stage", "choice"] = "stage"
     order: int = 100
     description: str = ""
@@ -342,7 +402,7 @@ class GrammarBackendSpec:
     `auto` picks the highest `priority` that supports a request's kind and is `available`."""
 
     name: str
-    factory: Callable[[Any], Any]
+    factory: Callable[[GrammarTokenizer], GrammarCompiler]
     constraint_kinds: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice")
     priority: int = 0
     available: Callable[[], str | None] | None = None
@@ -368,7 +428,7 @@ class ToolParserSpec:
     tells a model whose template ignores tools how to write a call (fw adds it to the tool prompt)."""
 
     name: str
-    factory: Callable[[list[dict]], Any]
+    factory: Callable[[list[dict]], ToolParser]
     detects: Callable[[str], bool] | None = None
     priority: int = 0
     tool_prompt_format: str = ""
@@ -385,8 +445,8 @@ class CliCommandSpec:
 
     name: str
     help: str
-    configure: Callable[[Any], None]
-    run: Callable[[Any], int]
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
     kind = "cli_command"
 
     def summary(self) -> dict:
@@ -404,7 +464,7 @@ class ProposerSpec:
     ValueError for a bad combination; fw reports it as a configuration error naming the flag."""
 
     name: str
-    factory: Callable[[dict, Any], Any]
+    factory: Callable[[dict, ProposerContext], Proposer]
     parameters: dict[str, Any] | None = None
     description: str = ""
     kind = "proposer"
@@ -432,6 +492,7 @@ Spec = (ArchitectureSpec | AttentionBackendSpec | MoeKernelSpec | QuantizationMe
 
 __all__ = [
     "KINDS",
+    "ArchitectureBuild",
     "ArchitectureSpec",
     "AttentionBackendSpec",
     "AttentionRequirements",
@@ -443,6 +504,9 @@ __all__ = [
     "ToolParserSpec",
     "CliCommandSpec",
     "ProposerSpec",
+    "SamplerChoice",
+    "SamplerStage",
+    "PerRequestSamplerStage",
     "Verified",
     "verification",
 ]
