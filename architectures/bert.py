@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from fw.layers import ACTIVATIONS, BidirectionalAttention, EncoderMetadata, Linear, ModelContext, load_named_weights
-from fw.plugins import ArchitectureSpec, hookimpl
+from fw.plugins import ArchitectureSpec, ModelConfig, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.4"
+FW_PLUGIN_API_VERSION = "1.5"
 
 # HF's separate q/k/v -> fw's fused projection
 FUSED_QKV = {
@@ -30,12 +30,12 @@ UNUSED = ("pooler.", "cls.", "embeddings.position_ids")
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext):
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype=ctx.dtype)
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size, dtype=ctx.dtype)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=ctx.dtype)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, cfg.norm_eps, dtype=ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
@@ -47,12 +47,11 @@ class BertEmbeddings(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, prefix: str):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, prefix: str):
         super().__init__()
         self.size = cfg.hidden_size
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.qkv = Linear(cfg.hidden_size, [cfg.hidden_size] * 3, ctx, f"{prefix}.qkv", bias=True)
-        self.attn = BidirectionalAttention(cfg.num_attention_heads, head_dim)
+        self.attn = BidirectionalAttention(cfg.num_attention_heads, cfg.head_dim)
         self.output = BertResidualOutput(cfg.hidden_size, cfg.hidden_size, cfg, ctx, f"{prefix}.output")
 
     def forward(self, x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
@@ -64,17 +63,17 @@ class BertAttention(nn.Module):
 class BertResidualOutput(nn.Module):
     """LayerNorm(dense(x) + residual): the post-LN step after attention and after the MLP."""
 
-    def __init__(self, input_size: int, hidden_size: int, cfg, ctx: ModelContext, prefix: str):
+    def __init__(self, input_size: int, hidden_size: int, cfg: ModelConfig, ctx: ModelContext, prefix: str):
         super().__init__()
         self.dense = Linear(input_size, hidden_size, ctx, f"{prefix}.dense", bias=True)
-        self.LayerNorm = nn.LayerNorm(hidden_size, cfg.layer_norm_eps, dtype=ctx.dtype)
+        self.LayerNorm = nn.LayerNorm(hidden_size, cfg.norm_eps, dtype=ctx.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dense(x) + residual)
 
 
 class BertIntermediate(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, prefix: str):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, prefix: str):
         super().__init__()
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"BERT hidden_act {cfg.hidden_act!r} is not supported "
@@ -87,7 +86,7 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, prefix: str):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, prefix: str):
         super().__init__()
         self.attention = BertAttention(cfg, ctx, f"{prefix}.attention")
         self.intermediate = BertIntermediate(cfg, ctx, f"{prefix}.intermediate")
@@ -99,7 +98,7 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg, ctx, f"encoder.layer.{i}") for i in range(cfg.num_hidden_layers))
 
@@ -107,9 +106,10 @@ class BertEncoder(nn.Module):
 class BertModel(nn.Module):
     """(input_ids [T], positions [T], EncoderMetadata) -> final hidden states [T, hidden]."""
 
-    def __init__(self, cfg, ctx: ModelContext):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext):
         super().__init__()
-        if getattr(cfg, "position_embedding_type", "absolute") != "absolute":
+        cfg.require("norm_eps", "intermediate_size", "hidden_act", "max_position_embeddings", "type_vocab_size")
+        if cfg.position_embedding_type != "absolute":
             raise ValueError(f"BERT position_embedding_type {cfg.position_embedding_type!r} is not supported "
                              f"(only absolute)")
         self.config = cfg
@@ -128,7 +128,7 @@ class BertModel(nn.Module):
         return load_named_weights(self, renamed, fused=FUSED_QKV, skip=UNUSED)
 
 
-def build(cfg, ctx: ModelContext, max_positions: int | None = None) -> BertModel:
+def build(cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None) -> BertModel:
     return BertModel(cfg, ctx)
 
 
@@ -141,4 +141,5 @@ def fw_register_architectures(register) -> None:
         description="BERT encoders (sentence-transformers models): embeddings only",
         task="embed",
         default_pooling="cls",
+        build_config="model",
     ))

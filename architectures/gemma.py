@@ -14,16 +14,14 @@ transformers' Gemma 3 does not apply it, so neither does fw."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from fw.errors import ModelLoadError
 from fw.layers import (CausalLM, GatedMLP, ModelContext, RMSNorm, RotaryEmbedding, SelfAttention)
-from fw.plugins import ArchitectureSpec, hookimpl
+from fw.plugins import ArchitectureSpec, ModelConfig, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.5"
 
 
 def gemma_norm(hidden_size: int, eps: float, dtype: torch.dtype) -> RMSNorm:
@@ -32,34 +30,19 @@ def gemma_norm(hidden_size: int, eps: float, dtype: torch.dtype) -> RMSNorm:
     return RMSNorm(hidden_size, eps, dtype, weight_offset=1.0)
 
 
-class _RopeView:
-    """The config as one layer type's rotary embedding reads it: Gemma 3 keys `rope_parameters`
-    by layer type; fw's RotaryEmbedding (and transformers' rope initialisers) read one dict."""
-
-    def __init__(self, cfg: Any, layer_type: str):
-        self._cfg = cfg
-        self.rope_parameters = cfg.rope_parameters[layer_type]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cfg, name)
-
-    def standardize_rope_params(self) -> None:
-        """Already standardised by the config class."""
-
-
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, prefix: str, version: int, layer_type: str):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, prefix: str, version: int, layer_type: str):
         super().__init__()
-        hidden, eps, head_dim = cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim
+        hidden, eps, head_dim = cfg.hidden_size, cfg.norm_eps, cfg.head_dim
         self.layer_type = layer_type
         self.sandwich = version >= 2
         sliding = layer_type == "sliding_attention"
-        bias = bool(getattr(cfg, "attention_bias", False))
+        bias = cfg.attention_bias
         self.input_layernorm = gemma_norm(hidden, eps, ctx.dtype)
         self.self_attn = SelfAttention(
             hidden, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, ctx, f"{prefix}.self_attn",
             qkv_bias=bias, o_bias=bias,
-            scale=cfg.query_pre_attn_scalar ** -0.5 if version >= 2 else None,
+            scale=cfg.require("query_pre_attn_scalar").query_pre_attn_scalar ** -0.5 if version >= 2 else None,
             sliding_window=cfg.sliding_window if sliding else None,
             logit_softcap=cfg.attn_logit_softcapping if version == 2 else None,
             qk_norm_eps=eps if version >= 3 else None, qk_norm_weight_offset=1.0,  # Gemma 3: per-head QK norm
@@ -68,8 +51,7 @@ class GemmaDecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = gemma_norm(hidden, eps, ctx.dtype)
             self.post_feedforward_layernorm = gemma_norm(hidden, eps, ctx.dtype)
-        act = cfg.hidden_act if version == 1 else cfg.hidden_activation
-        self.mlp = GatedMLP(hidden, cfg.intermediate_size, ctx, f"{prefix}.mlp", hidden_act=act)
+        self.mlp = GatedMLP(hidden, cfg.intermediate_size, ctx, f"{prefix}.mlp", hidden_act=cfg.hidden_act)
 
     def forward(self, x, residual, cos_sin, meta):
         if residual is None:
@@ -85,24 +67,16 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-def _layer_types(cfg, version: int) -> list[str]:
+def _layer_types(cfg: ModelConfig, version: int) -> list[str]:
     if version == 1:
         return ["full_attention"] * cfg.num_hidden_layers
-    types = list(cfg.layer_types)
-    if len(types) != cfg.num_hidden_layers:
-        raise ModelLoadError(f"config.json: layer_types lists {len(types)} layers, the model has "
-                             f"{cfg.num_hidden_layers}")
-    unknown = set(types) - {"sliding_attention", "full_attention"}
-    if unknown:
-        raise ModelLoadError(f"config.json: unknown layer types {sorted(unknown)} (Gemma has sliding_attention "
-                             f"and full_attention)")
-    return types
+    return list(cfg.layer_types_checked(("sliding_attention", "full_attention")))
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, cfg, ctx: ModelContext, max_positions: int, version: int):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, max_positions: int, version: int):
         super().__init__()
-        if getattr(cfg, "use_bidirectional_attention", False):
+        if cfg.use_bidirectional_attention:
             raise ModelLoadError("this Gemma config sets use_bidirectional_attention (an embedding model); "
                                  "fw generates text with causal attention only")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
@@ -112,7 +86,7 @@ class GemmaModel(nn.Module):
         self.register_buffer("normalizer", normalizer, persistent=False)
         types = _layer_types(cfg, version)
         if version >= 3:  # one rotary embedding per layer type
-            ropes = {t: RotaryEmbedding(_RopeView(cfg, t), cfg.head_dim, max_positions, ctx.dtype) for t in set(types)}
+            ropes = {t: RotaryEmbedding(cfg.rope_for(t), cfg.head_dim, max_positions, ctx.dtype) for t in set(types)}
         else:
             ropes = {"all": RotaryEmbedding(cfg, cfg.head_dim, max_positions, ctx.dtype)}
         self.rotary = nn.ModuleDict(ropes)
@@ -120,7 +94,7 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(cfg, ctx, f"model.layers.{i}", version, t) for i, t in enumerate(types)
         )
-        self.norm = gemma_norm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.norm = gemma_norm(cfg.hidden_size, cfg.norm_eps, ctx.dtype)
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids) * self.normalizer, None
@@ -134,10 +108,11 @@ class GemmaModel(nn.Module):
 class GemmaForCausalLM(CausalLM):
     skip_weights = ("rotary_emb.",)
 
-    def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None, version: int = 1):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None, version: int = 1):
+        cfg.require("norm_eps", "intermediate_size", "hidden_act")
         super().__init__(cfg, ctx, GemmaModel(cfg, ctx, max_positions or cfg.max_position_embeddings, version),
                          tie_by_default=True)
-        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if version >= 2 else None
+        self.final_softcap = cfg.final_logit_softcapping if version >= 2 else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
@@ -148,15 +123,15 @@ class GemmaForCausalLM(CausalLM):
         return logits
 
 
-def build_gemma(cfg, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:
+def build_gemma(cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:
     return GemmaForCausalLM(cfg, ctx, max_positions, version=1)
 
 
-def build_gemma2(cfg, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:
+def build_gemma2(cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:
     return GemmaForCausalLM(cfg, ctx, max_positions, version=2)
 
 
-def build_gemma3(cfg, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:
+def build_gemma3(cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None) -> GemmaForCausalLM:
     return GemmaForCausalLM(cfg, ctx, max_positions, version=3)
 
 
@@ -166,17 +141,20 @@ def fw_register_architectures(register) -> None:
         name="gemma",
         hf_architectures=("GemmaForCausalLM",),
         build=build_gemma,
+        build_config="model",
         description="Gemma (GeGLU, (1 + w) RMSNorm, sqrt(hidden) embedding scale, tied embeddings)",
     ))
     register(ArchitectureSpec(
         name="gemma2",
         hf_architectures=("Gemma2ForCausalLM",),
         build=build_gemma2,
+        build_config="model",
         description="Gemma 2 (interleaved sliding-window/global layers, attention and final logit soft-capping)",
     ))
     register(ArchitectureSpec(
         name="gemma3",
         hf_architectures=("Gemma3ForCausalLM",),
         build=build_gemma3,
+        build_config="model",
         description="Gemma 3 text (sliding/global layers with their own rope bases, QK-norm, final soft-capping)",
     ))

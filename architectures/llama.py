@@ -8,34 +8,33 @@ from __future__ import annotations
 
 from fw.layers import (CausalLM, DecoderModel, GatedMLP, ModelContext, PreNormDecoderLayer, RMSNorm, SelfAttention,
                        unpermute_gguf_qk)
-from fw.plugins import ArchitectureSpec, hookimpl
+from fw.plugins import ArchitectureSpec, ModelConfig, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.5"
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, cfg, ctx: ModelContext, prefix: str):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, prefix: str):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        bias = getattr(cfg, "attention_bias", False)
-        self.self_attn = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
-                                       ctx, f"{prefix}.self_attn", qkv_bias=bias, o_bias=bias,
-                                       sliding_window=getattr(cfg, "sliding_window", None))  # Mistral: every layer
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.dtype)
+        bias = cfg.attention_bias
+        self.self_attn = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                       cfg.head_dim, ctx, f"{prefix}.self_attn", qkv_bias=bias, o_bias=bias,
+                                       sliding_window=cfg.sliding_window)  # Mistral: every layer
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.dtype)
         if cfg.hidden_act != "silu":
             raise ValueError(f"Llama MLP supports hidden_act 'silu', not {cfg.hidden_act!r}")
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx, f"{prefix}.mlp",
-                            bias=getattr(cfg, "mlp_bias", False))
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx, f"{prefix}.mlp", bias=cfg.mlp_bias)
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None):
+        cfg.require("norm_eps", "intermediate_size")
         layers = (LlamaDecoderLayer(cfg, ctx, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
         super().__init__(cfg, ctx, DecoderModel(cfg, ctx, max_positions or cfg.max_position_embeddings, layers))
 
 
-def build(cfg, ctx: ModelContext, max_positions: int | None = None) -> LlamaForCausalLM:
+def build(cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg, ctx, max_positions)
 
 
@@ -50,4 +49,5 @@ def fw_register_architectures(register) -> None:
         build=build,
         gguf_weight_transform=unpermute_gguf_qk,
         description="Llama 2/3.x, SmolLM/SmolLM2, TinyLlama, Mistral (sliding window)",
+        build_config="model",
     ))

@@ -20,49 +20,40 @@ import torch
 
 from fw.layers import (FUSED_PROJECTIONS, GATED_EXPERT_NAMES, CausalLM, DecoderModel, GatedMLP, ModelContext,
                        PreNormDecoderLayer, RMSNorm, SelfAttention, SparseMoeBlock, load_moe_weights)
-from fw.plugins import ArchitectureSpec, hookimpl
+from fw.plugins import ArchitectureSpec, ModelConfig, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.0"
-
-
-def _head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+FW_PLUGIN_API_VERSION = "1.5"
 
 
-def is_sparse_layer(cfg, i: int) -> bool:
-    """transformers' rule for which layers get experts."""
-    return (i not in (getattr(cfg, "mlp_only_layers", None) or [])
-            and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0)
-
-
-def _sliding_window(cfg, i: int, qwen3: bool) -> int | None:
-    if not getattr(cfg, "use_sliding_window", False) or not getattr(cfg, "sliding_window", None):
+def _sliding_window(cfg: ModelConfig, i: int, qwen3: bool) -> int | None:
+    if not cfg.use_sliding_window or not cfg.sliding_window:
         return None
     if qwen3:  # Qwen3-MoE windows every layer when enabled
         return cfg.sliding_window
-    layer_types = getattr(cfg, "layer_types", None)
+    layer_types = cfg.layer_types
     return cfg.sliding_window if layer_types and layer_types[i] == "sliding_attention" else None
 
 
 class QwenMoeDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, cfg, ctx: ModelContext, i: int, qwen3: bool):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, i: int, qwen3: bool):
         super().__init__()
         prefix = f"model.layers.{i}"
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.dtype)
         if qwen3:
-            bias = bool(getattr(cfg, "attention_bias", False))
-            attn_options = {"qkv_bias": bias, "o_bias": bias, "qk_norm_eps": cfg.rms_norm_eps}
+            bias = cfg.attention_bias
+            attn_options = {"qkv_bias": bias, "o_bias": bias, "qk_norm_eps": cfg.norm_eps}
         else:  # configs written before transformers 5 have no `qkv_bias`: Qwen2 always had q/k/v biases
-            attn_options = {"qkv_bias": bool(getattr(cfg, "qkv_bias", True))}
+            attn_options = {"qkv_bias": True if cfg.qkv_bias is None else cfg.qkv_bias}
         self.self_attn = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                       _head_dim(cfg), ctx, f"{prefix}.self_attn",
+                                       cfg.head_dim, ctx, f"{prefix}.self_attn",
                                        sliding_window=_sliding_window(cfg, i, qwen3), **attn_options)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        if is_sparse_layer(cfg, i):
-            shared = None if qwen3 else getattr(cfg, "shared_expert_intermediate_size", None)
-            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                      cfg.num_experts_per_tok, ctx, f"{prefix}.mlp", hidden_act=cfg.hidden_act,
-                                      renormalize=bool(cfg.norm_topk_prob), weights_in_model_dtype=True,
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.dtype)
+        if cfg.moe is not None and cfg.moe.is_sparse(i):
+            moe = cfg.moe
+            shared = None if qwen3 else moe.shared_expert_intermediate_size
+            self.mlp = SparseMoeBlock(cfg.hidden_size, moe.intermediate_size, moe.num_experts,
+                                      moe.num_experts_per_tok, ctx, f"{prefix}.mlp", hidden_act=cfg.hidden_act,
+                                      renormalize=moe.norm_topk_prob, weights_in_model_dtype=True,
                                       shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared))
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx, f"{prefix}.mlp",
@@ -72,20 +63,20 @@ class QwenMoeDecoderLayer(PreNormDecoderLayer):
 class QwenMoeForCausalLM(CausalLM):
     """Qwen2MoeForCausalLM (`qwen3=False`) and Qwen3MoeForCausalLM (`qwen3=True`)."""
 
-    def __init__(self, cfg, ctx: ModelContext, max_positions: int | None = None, qwen3: bool = False):
+    def __init__(self, cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None, qwen3: bool = False):
+        cfg.require("norm_eps", "hidden_act")
         layers = (QwenMoeDecoderLayer(cfg, ctx, i, qwen3) for i in range(cfg.num_hidden_layers))
-        super().__init__(cfg, ctx, DecoderModel(cfg, ctx, max_positions or cfg.max_position_embeddings, layers,
-                                                _head_dim(cfg)))
+        super().__init__(cfg, ctx, DecoderModel(cfg, ctx, max_positions or cfg.max_position_embeddings, layers))
 
     def load_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...]) -> set[str]:
         return load_moe_weights(self, weights, GATED_EXPERT_NAMES, fused=FUSED_PROJECTIONS, skip=skip)
 
 
-def build_qwen2_moe(cfg, ctx: ModelContext, max_positions: int | None = None) -> QwenMoeForCausalLM:
+def build_qwen2_moe(cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None) -> QwenMoeForCausalLM:
     return QwenMoeForCausalLM(cfg, ctx, max_positions, qwen3=False)
 
 
-def build_qwen3_moe(cfg, ctx: ModelContext, max_positions: int | None = None) -> QwenMoeForCausalLM:
+def build_qwen3_moe(cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None) -> QwenMoeForCausalLM:
     return QwenMoeForCausalLM(cfg, ctx, max_positions, qwen3=True)
 
 
@@ -95,11 +86,13 @@ def fw_register_architectures(register) -> None:
         name="qwen2_moe",
         hf_architectures=("Qwen2MoeForCausalLM",),
         build=build_qwen2_moe,
+        build_config="model",
         description="Qwen2-MoE / Qwen1.5-MoE: top-k experts plus a sigmoid-gated shared expert",
     ))
     register(ArchitectureSpec(
         name="qwen3_moe",
         hf_architectures=("Qwen3MoeForCausalLM",),
         build=build_qwen3_moe,
+        build_config="model",
         description="Qwen3-MoE: top-k experts, QK-norm",
     ))

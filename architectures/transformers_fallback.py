@@ -25,7 +25,7 @@ from torch import nn
 
 from fw.errors import ModelLoadError, UnsupportedArchitectureError, UnsupportedConfigurationError
 from fw.layers import Attention, AttentionMetadata, ModelContext
-from fw.plugins import ArchitectureSpec, hookimpl
+from fw.plugins import ArchitectureSpec, ModelConfig, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.0"
 
@@ -172,23 +172,23 @@ def _attention_modules(hf: nn.Module) -> list[tuple[str, nn.Module]]:
             and isinstance(getattr(m, "layer_idx", None), int)]
 
 
-def _layer_settings(module: nn.Module, cfg) -> tuple[int, int, int, tuple[float, int | None, float | None]]:
+def _layer_settings(module: nn.Module,
+                    cfg: ModelConfig) -> tuple[int, int, int, tuple[float, int | None, float | None]]:
     """Heads, KV heads, head dim and (scale, window, soft-cap) of one HF attention module, as far as its
     attributes and the config tell; every call checks them against what HF actually passes."""
     heads = cfg.num_attention_heads
-    head_dim = (getattr(module, "head_dim", None) or getattr(module, "head_size", None)
-                or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None) or cfg.head_dim
     groups = getattr(module, "num_key_value_groups", None)
-    kv_heads = heads // groups if groups else (getattr(cfg, "num_key_value_heads", None) or heads)
+    kv_heads = heads // groups if groups else cfg.num_key_value_heads
     scale = getattr(module, "scaling", None) or head_dim**-0.5
-    layer_types = getattr(cfg, "layer_types", None)
+    layer_types = cfg.layer_types
     if hasattr(module, "sliding_window"):
         window = module.sliding_window
     elif layer_types:
-        window = getattr(cfg, "sliding_window", None) if layer_types[module.layer_idx] == "sliding_attention" else None
+        window = cfg.sliding_window if layer_types[module.layer_idx] == "sliding_attention" else None
     else:  # an older config without layer types slides in every layer if it names a window (Mistral)
-        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    softcap = getattr(module, "attn_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None)
+        window = cfg.sliding_window if cfg.use_sliding_window is not False else None
+    softcap = getattr(module, "attn_logit_softcapping", None) or cfg.attn_logit_softcapping
     return heads, kv_heads, head_dim, (float(scale), window or None, softcap or None)
 
 
@@ -219,8 +219,9 @@ class TransformersCausalLM(nn.Module):
         self.step = _Step()
         self.attention = nn.ModuleDict()  # HF module name (dots as "/") -> its fw layer
         self.settings: dict[str, tuple[float, int | None, float | None]] = {}
+        model_config = ModelConfig.from_hf(self.config)
         for name, module in _attention_modules(self.hf):
-            heads, kv_heads, head_dim, settings = _layer_settings(module, self.config)
+            heads, kv_heads, head_dim, settings = _layer_settings(module, model_config)
             self.attention[name.replace(".", "/")] = Attention(
                 heads, kv_heads, head_dim, ctx, scale=settings[0], sliding_window=settings[1],
                 logit_softcap=settings[2])

@@ -177,7 +177,8 @@ class ModelConfig:
         """The rotary embedding of one layer type (Gemma 3 keys them), else the model's one."""
         return self.layer_ropes.get(layer_type, self.rope)
 
-    def layer_types_checked(self, allowed: tuple[str, ...] = ("full_attention", "sliding_attention")) -> tuple[str, ...]:
+    def layer_types_checked(self, allowed: tuple[str, ...] = ("full_attention", "sliding_attention"),
+                            ) -> tuple[str, ...]:
         """`layer_types`, checked: one per layer, each one of `allowed`."""
         types = self.layer_types
         if types is None:

@@ -133,11 +133,11 @@ def test_gemma3_global_layers_use_their_own_rope(checkpoints, tokenizer):
     """Gemma 3's sliding layers rotate with the local base, its full-attention layers with the
     global base and its linear scaling (the parity test checks the result end to end)."""
     from fw.layers.rotary import rope_inv_freq
-    from fw.architectures.gemma import _RopeView
+    from fw.model_config import ModelConfig
 
-    config = dense_models.make_config("gemma3", tokenizer)
-    local, _ = rope_inv_freq(_RopeView(config, "sliding_attention"), 16)
-    full, _ = rope_inv_freq(_RopeView(config, "full_attention"), 16)
+    config = ModelConfig.from_hf(dense_models.make_config("gemma3", tokenizer))
+    local, _ = rope_inv_freq(config.rope_for("sliding_attention"), 16)
+    full, _ = rope_inv_freq(config.rope_for("full_attention"), 16)
     assert torch.allclose(local, 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16))
     assert torch.allclose(full, 1.0 / 1000000.0 ** (torch.arange(0, 16, 2).float() / 16) / 4.0)
     llm = make_llm(checkpoints("gemma3"))
