@@ -51,9 +51,9 @@ _TABLES: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the 256 e4m3 values in
 
 
 def fp8_to(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An e4m3 tensor converted (exactly) to `dtype`. On CPU torch converts fp8 one element at a time
-    (25x the time of the bf16 matrix-vector product it feeds, on SmolLM2's shapes); a 256-entry table
-    indexed by the raw bytes is about 5.6x faster."""
+    """An e4m3 tensor converted (exactly) to `dtype`. On CPU torch converts fp8 one element at a time,
+    slower than the bf16 matrix-vector product it feeds; a 256-entry table indexed by the raw bytes is
+    faster (docs/performance.md)."""
     if weight.device.type != "cpu":
         return weight.to(dtype)
     table = _TABLES.get(dtype)

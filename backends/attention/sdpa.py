@@ -4,8 +4,8 @@ against, so it favours clarity: each step gathers the pages a sequence uses
 into a contiguous K/V view; each prefill chunk runs as its own causal
 attention (offset by its cached prefix). All decodes run as one padded batch
 of grouped matmuls (query heads grouped by their KV head, softmax in fp32):
-for one-token queries torch's CPU flash kernel was 6x slower in bf16 (12.0 vs
-2.0 ms for 64 sequences of 336 keys) and no faster in fp32.
+for one-token queries torch's CPU flash kernel was several times slower in
+bf16 and no faster in fp32 (docs/performance.md).
 
 Sliding windows and attention-logit soft-capping follow Hugging Face: a query
 at position p sees the keys at positions (p - window, p]; soft-capping
@@ -235,8 +235,8 @@ class SdpaBackend(AttentionBackend):
     def _gather(cache: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
         """Cache rows from `_rows` (`batch` sequences of equally many pages) -> contiguous [Hkv, batch, L, D].
 
-        One index_select over a 2-D view: 2-4x faster on CPU than index_select along dim 1 of the
-        4-D cache, or advanced indexing."""
+        One index_select over a 2-D view: faster on CPU than index_select along dim 1 of the 4-D
+        cache, or advanced indexing (docs/performance.md)."""
         gathered = cache.view(cache.shape[0] * cache.shape[1], -1).index_select(0, rows)
         return gathered.view(cache.shape[0], batch, -1, cache.shape[-1])
 

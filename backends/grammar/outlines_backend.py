@@ -21,9 +21,9 @@ Choices (see docs/choices.md, "The outlines grammar backend"):
   every other stop token is treated the same (allowed exactly where the
   automaton is in a final state).
 - Masks: `Guide.write_mask_into` writes a state's packed row straight into the
-  int32 bitmask (about 200 us for a state that allows most of a 49k
-  vocabulary, under 1 us for a few tokens); rows that were slow to build are
-  kept per (grammar, state), bounded in bytes, and copied on the next visit."""
+  int32 bitmask (slow for a state that allows most of the vocabulary, fast for
+  a few tokens: docs/performance.md); rows that were slow to build are kept per
+  (grammar, state), bounded in bytes, and copied on the next visit."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ WHITESPACE_PATTERN: str | None = None
 MAX_ROLLBACK = 64
 # Packed mask rows kept for reuse, per compiler (a row is vocab_size / 8 bytes: 6 KiB for 49k).
 MASK_CACHE_BYTES = 64 * 1024 * 1024
-# A row is kept when building it took longer than this (copying a kept row takes about 1 us).
+# A row is kept when building it took longer than this (copying a kept row is cheaper: docs/performance.md).
 KEEP_ROWS_SLOWER_THAN_S = 10e-6
 
 _serials = itertools.count()
@@ -71,8 +71,8 @@ def _unavailable() -> str | None:
 
 class _Rows:
     """Writes mask rows into a CPU int32 bitmask by address, and keeps the rows that were slow to
-    build (states that allow much of the vocabulary: about 200 us each) keyed by (grammar,
-    state): a state's row never changes, and copying 6 KiB takes about a microsecond. Rows that
+    build (states that allow much of the vocabulary) keyed by (grammar, state): a state's row
+    never changes, and copying 6 KiB is much cheaper than building it. Rows that
     are quick to build (a few allowed tokens) are not kept: a copy would cost as much. Used only
     from the engine thread."""
 
@@ -244,8 +244,8 @@ class OutlinesCompiler:
         return self._kept.has(constraint)
 
     def persist(self, constraint: Constraint) -> str:
-        """Compile `constraint` (GrammarError if it cannot be) and keep its Index: reading one back takes
-        about 1 ms where building it took 0.16 s (a small JSON schema, SmolLM2's 49k vocabulary)."""
+        """Compile `constraint` (GrammarError if it cannot be) and keep its Index: reading one back is
+        much faster than building it (docs/performance.md)."""
         start = time.perf_counter()
         index = self.compile(constraint).index
         data = index.__reduce__()[1][0]  # the Index's own binary form (what pickling it stores)

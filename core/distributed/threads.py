@@ -5,8 +5,8 @@ compete for the same cores stall each other at every matmul, and fw's ThreadGove
 shrinks a step's threads to the cores other processes leave) would read the other ranks as
 neighbours and shrink to one thread. With at least two cores per rank each rank gets its own
 cores and as many threads; with fewer, ranks run one thread each and share the cores (pinning
-one rank to one core left gloo's threads no core of their own: an all-reduce took 2.7 ms instead
-of 0.33 ms on this project's 2-core machine, issue 22)."""
+one rank to one core left gloo's threads no core of their own and made every all-reduce several
+times slower on this project's 2-core machine: docs/performance.md, issue 22)."""
 
 from __future__ import annotations
 

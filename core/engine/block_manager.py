@@ -4,7 +4,8 @@ caching by hashing full pages (each hash chains its parent's).
 Page hashes are SHA-256 digests, not Python's `hash()`: tuple hashes of
 integers are deterministic and cheap to collide on purpose, and a crafted
 prompt whose page collided with another request's would read that request's
-K/V (vLLM moved to SHA-256 for the same reason). A digest costs ~1 µs a page.
+K/V (vLLM moved to SHA-256 for the same reason). A digest is cheap next to a step
+(docs/performance.md#figures-behind-choices-in-the-code).
 
 Freed pages keep their hash and stay reusable until they are evicted, least
 recently freed first, so a later request with the same prefix finds them.

@@ -151,9 +151,9 @@ class ModelRunner:
         return StepLogits(sample_seqs, logits, prompt_logits, pool_rows)
 
     def _as_fp32(self, logits: torch.Tensor) -> torch.Tensor:
-        """The step's logits in fp32, in a buffer kept across steps: a fresh [64, 49152] fp32 tensor
-        each step cost 2.8 ms in first-touch page faults, against 0.3 ms for the copy itself. Valid
-        until the next step (the sampler consumes it within the step)."""
+        """The step's logits in fp32, in a buffer kept across steps: a fresh tensor each step costs
+        more in first-touch page faults than the copy itself (docs/performance.md). Valid until the
+        next step (the sampler consumes it within the step)."""
         if logits.dtype == torch.float32:
             return logits
         rows, vocab = logits.shape

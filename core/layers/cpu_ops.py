@@ -45,7 +45,7 @@ def prepare(device: torch.device | str) -> str | None:
     why = try_load_cpp_ops("cpu_ops", _SOURCE, _CFLAGS)
     if why is None:
         for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax"):
-            # the resolved overload: calling the packet resolves it again on every call (~2 us)
+            # the resolved overload: calling the packet resolves it again on every call (docs/performance.md)
             _op[name] = getattr(torch.ops.fw_cpu_ops, name).default
         _ready = True
         return None

@@ -1,16 +1,16 @@
 """Dense (unquantized) matrix products, with the weight in the fastest layout the device has.
 
-Why: on AVX-512 CPUs torch's `F.linear` reaches about 20 GB/s on bf16
-matrix-vector products, which caps batch-1 decode. Two packed layouts, chosen
-once at load:
+Why: on AVX-512 CPUs torch's `F.linear` reaches well under the memory
+bandwidth on bf16 matrix-vector products, which caps batch-1 decode. Two packed
+layouts, chosen once at load (figures: docs/performance.md):
 
 * bf16 on CPUs with AVX512-BF16: fw's own blocked layout and kernel
   (dense_bf16.cpp), which prefetches the next chunk of the weight while it
   computes: a decode step's weights stream from DRAM, and oneDNN's kernel
-  waited on them (64-row products ~1.35x faster, 1 row ~1.3x; prefill-sized
-  products within a few percent of oneDNN).
+  waited on them (faster at decode sizes; prefill-sized products on a par
+  with oneDNN).
 * other fp32/bf16 CPUs: oneDNN's blocked layout (what inductor's freezing
-  pass uses), 1.6-1.8x faster than `F.linear` at batch 1.
+  pass uses), faster than `F.linear` at batch 1.
 
 Results differ from F.linear's only by the order of fp32 sums (see
 docs/performance.md). Other devices keep the plain weight.

@@ -2,9 +2,8 @@
 huge pages (fw.layers.packed_int and fw.layers.dense put their packed weights here on the CPU).
 
 Why: a decode step reads every weight once, in pieces of 0.2-2 MB. On 4 KiB pages the hardware prefetcher
-stops at every page boundary and each page costs a TLB walk; on huge pages SmolLM2's 120 packed-int products
-per token took 2.33 ms against 2.55 ms, and batch-1 decode ran ~6% faster on both the packed-int and the
-dense bf16 paths (docs/performance.md). A chunk is freed when no weight views it any more; the alignment
+stops at every page boundary and each page costs a TLB walk; on huge pages the packed-int products and
+batch-1 decode on both the packed-int and the dense bf16 paths are faster (docs/performance.md). A chunk is freed when no weight views it any more; the alignment
 slack is never written, so it costs address space, not memory.
 """
 
