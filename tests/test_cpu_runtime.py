@@ -178,6 +178,42 @@ def test_thread_governor_follows_the_cores_others_leave(monkeypatch):
     assert cpu_runtime.ThreadGovernor(4).max_threads == 4
 
 
+def test_reserve_core_leaves_the_process_own_work_a_core_at_once(monkeypatch):
+    """While a block holds reserve_core (the server's tokenizer thread at work), the very next step runs
+    with one thread fewer than the free cores allow, never below one, and with all of them again after:
+    the tokenizer is this process's time, invisible to the samples."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(cpu_runtime, "_cpu_ticks", lambda cpus: (0, 0))  # no neighbours
+    gov = cpu_runtime.ThreadGovernor(2, interval_s=0.5)
+    gov._cpus = frozenset({0, 1})
+    assert gov.update() == 2 and calls == []
+    with gov.reserve_core():
+        assert gov.update() == 1 and calls == [1]
+        with gov.reserve_core():  # two blocks: still one thread
+            assert gov.update() == 1 and calls == [1]
+        assert gov.update() == 1
+    assert gov.update() == 2 and calls == [1, 2]
+    wide = cpu_runtime.ThreadGovernor(4)  # 4 threads on 8 cores: the reserved core comes from the spare ones
+    wide._cpus, wide._free_cores = frozenset(range(8)), 8
+    monkeypatch.setattr(cpu_runtime, "_cpu_ticks", lambda cpus: (0, 0))
+    with wide.reserve_core():
+        assert wide.update() == 4
+
+
+def test_tokenizer_thread_work_holds_a_reserved_core(gqa_dir, monkeypatch):
+    """AsyncEngine.in_tokenizer_thread runs its work inside the CPU governor's reserve_core."""
+    import asyncio
+
+    engine = LLMEngine(EngineConfig(model=str(gqa_dir), num_kv_blocks=16, dtype="float32", num_threads=2))
+    governor = engine.runner.governor
+    if governor is None:
+        pytest.skip("no ThreadGovernor here (not Linux, or the CPU runtime tuning is off)")
+    async_engine = AsyncEngine(engine)
+    assert asyncio.run(async_engine.in_tokenizer_thread(lambda: governor._reserved)) == 1
+    assert governor._reserved == 0
+
+
 def test_thread_governor_is_off_for_one_thread_or_without_tuning(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert cpu_runtime.ThreadGovernor.for_this_process() is None
