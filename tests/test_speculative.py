@@ -580,3 +580,25 @@ def test_copy_workload_prompts_repeat_a_passage(tokenizer):
     assert speculation(before, after) == {"num_drafts": 2, "num_draft_tokens": 8, "num_accepted_tokens": 6,
                                           "acceptance_rate": 0.75, "mean_acceptance_length": 4.0}
     assert speculation({}, {"num_running": 0}) is None
+
+
+def test_bench_compares_with_and_without_speculation_on_one_engine(gqa_dir, tmp_path, capsys, isolated_plugins):
+    """`--baseline no-speculation`: the same engine with every request opted out, taking turns with fw on
+    prompts of its own (fw's prefix cache must not serve them)."""
+    import json
+
+    from fw.cli.main import main
+
+    out = tmp_path / "r.json"
+    args = ["bench", "throughput", "--model", str(gqa_dir), "--dtype", "float32", "--num-prompts", "3",
+            "--input-len", "40", "--input-len-range", "0", "--output-len", "16", "--num-passes", "2",
+            "--workload", "copy", "--num-kv-blocks", "64", "--no-progress", "--baseline", "no-speculation"]
+    assert main([*args, "--speculative-config", json.dumps(NGRAM), "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["baseline_info"]["name"] == "fw without speculation"
+    assert all(p["output_tokens"] == 3 * 16 for side in ("fw", "baseline") for p in report["passes"][side])
+    assert report["fw"]["speculative"]["num_drafts"] > 0
+    assert "fw without speculation" in capsys.readouterr().out
+    assert main(args) != 0
+    assert "--baseline no-speculation compares fw with and without speculative decoding; give " \
+           "--speculative-config too" in capsys.readouterr().err

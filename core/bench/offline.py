@@ -86,15 +86,15 @@ def throughput_lengths(input_len: int, input_len_range: float, num_prompts: int,
 # --- fw --------------------------------------------------------------------------------------------------------
 
 
-def fw_params(output_len: int):
+def fw_params(output_len: int, speculative: bool = True):
     from fw.sampling.params import SamplingParams
 
-    return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, speculative=speculative)
 
 
-def fw_latency_iteration(llm, prompt: list[int], output_len: int) -> dict[str, Any]:
+def fw_latency_iteration(llm, prompt: list[int], output_len: int, speculative: bool = True) -> dict[str, Any]:
     """One streamed request: TTFT = first token's arrival - start; decode tok/s = (n-1) / (last - first)."""
-    params = fw_params(output_len)
+    params = fw_params(output_len, speculative)
     stamps: list[float] = []
     start = time.perf_counter()
     for out in llm.stream(prompt, params):
@@ -108,10 +108,10 @@ def fw_latency_iteration(llm, prompt: list[int], output_len: int) -> dict[str, A
             "decode_tok_s": (len(stamps) - 1) / span if len(stamps) > 1 and span > 0 else None}
 
 
-def fw_throughput(llm, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+def fw_throughput(llm, prompts: list[list[int]], output_len: int, speculative: bool = True) -> dict[str, float]:
     """All prompts to `LLM.generate` at once (continuous batching does the rest)."""
     start = time.perf_counter()
-    outs = llm.generate(prompts, fw_params(output_len))
+    outs = llm.generate(prompts, fw_params(output_len, speculative))
     elapsed = time.perf_counter() - start
     return {"elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
 
@@ -210,7 +210,31 @@ class TransformersBaseline:
         return self.hf.describe(self.model)
 
 
-BASELINES = ("none", "transformers", "llama.cpp")
+class NoSpeculationBaseline:
+    """fw itself without speculative decoding: the same engine, every request opted out
+    (`SamplingParams.speculative=False`), so the two sides share the model, the process and the machine's
+    drift pass by pass (docs/speculative.md)."""
+
+    name = "fw without speculation"
+    shares_engine = True  # its prompts must differ from fw's, or fw's prefix cache would serve its prefills
+
+    def __init__(self, llm):
+        if llm.engine.speculator is None:
+            raise BenchError("--baseline no-speculation compares fw with and without speculative decoding; give "
+                             "--speculative-config too")
+        self.llm = llm
+
+    def latency_iteration(self, prompt: list[int], output_len: int) -> dict[str, Any]:
+        return fw_latency_iteration(self.llm, prompt, output_len, speculative=False)
+
+    def throughput(self, prompts: list[list[int]], output_len: int, batch_size: int, progress=None) -> dict:
+        return fw_throughput(self.llm, prompts, output_len, speculative=False)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "speculative_config": self.llm.engine.config.speculative_config}
+
+
+BASELINES = ("none", "transformers", "llama.cpp", "no-speculation")
 
 
 def make_baseline(kind: str, llm, llama_cpp_bin: str | None = None, progress: bool = True):
@@ -219,6 +243,8 @@ def make_baseline(kind: str, llm, llama_cpp_bin: str | None = None, progress: bo
         return None
     if kind in ("transformers", True):
         return TransformersBaseline(llm, progress)
+    if kind == "no-speculation":
+        return NoSpeculationBaseline(llm)
     if kind == "llama.cpp":
         import torch
 
@@ -247,6 +273,7 @@ def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_i
         raise BenchError("--num-iters and --output-len must be at least 1, --num-iters-warmup at least 0")
     prompts = make_prompts(llm.tokenizer, [input_len] * (num_iters_warmup + num_iters), seed, workload)
     base = make_baseline(baseline, llm, llama_cpp_bin, progress)
+    base_prompts = _baseline_prompts(base, llm, prompts, seed, workload)
     fw_runs, base_runs = [], []
     stats = None
     with progress_bar(len(prompts), "fw" if base is None else f"fw and {base.name}", progress) as bar:
@@ -255,7 +282,7 @@ def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_i
                 stats = llm.engine.stats()
             fw_runs.append(fw_latency_iteration(llm, prompt, output_len))
             if base is not None:
-                base_runs.append(base.latency_iteration(prompt, output_len))
+                base_runs.append(base.latency_iteration(base_prompts[i], output_len))
             bar.update(1)
     fw = latency_summary(fw_runs[num_iters_warmup:])
     spec = speculation(stats, llm.engine.stats())
@@ -296,7 +323,8 @@ def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: 
         fw_passes.append(throughput_summary(fw_throughput(llm, prompts, output_len), num_prompts, input_tokens))
         if base is not None:
             with progress_bar(num_prompts, base.name, progress) as bar:
-                measured = base.throughput(prompts, output_len, baseline_batch_size, bar)
+                measured = base.throughput(_baseline_prompts(base, llm, prompts, seed + 1 + i, workload), output_len,
+                                           baseline_batch_size, bar)
             base_passes.append(throughput_summary(measured, num_prompts, input_tokens))
     fw, base_summary = median_pass(fw_passes), median_pass(base_passes) if base_passes else None
     spec = speculation(stats, llm.engine.stats())  # over all passes
@@ -310,6 +338,14 @@ def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: 
             "environment": environment(llm), "fw": fw, "baseline": base_summary,
             "baseline_info": base.describe() if base is not None else None, "ratios": ratios(fw, base_summary, keys),
             "passes": {"fw": fw_passes, "baseline": base_passes or None}}
+
+
+def _baseline_prompts(base, llm, prompts: list[list[int]], seed: int, workload: str) -> list[list[int]]:
+    """fw's prompts, or for a baseline on fw's own engine new ones of the same lengths (from a seed no
+    pass of fw uses)."""
+    if not getattr(base, "shares_engine", False):
+        return prompts
+    return make_prompts(llm.tokenizer, [len(p) for p in prompts], seed + 1_000_003, workload)
 
 
 def median_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:

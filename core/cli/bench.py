@@ -113,10 +113,11 @@ def _configure_offline(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
     w = p.add_argument_group("workload")
     w.add_argument("--output-len", type=int, default=128, help="Tokens generated per request (default 128).")
-    w.add_argument("--baseline", choices=("none", "transformers", "llama.cpp"), default="none",
-                   help="Also run the workload on transformers (same weights, dtype, prompts) or on llama.cpp's "
-                        "own benchmark binaries (the same GGUF file, needs --llama-cpp-bin), taking turns with fw, "
-                        "and print fw/baseline ratios (default none).")
+    w.add_argument("--baseline", choices=("none", "transformers", "llama.cpp", "no-speculation"), default="none",
+                   help="Also run the workload on transformers (same weights, dtype, prompts), on llama.cpp's "
+                        "own benchmark binaries (the same GGUF file, needs --llama-cpp-bin) or, with "
+                        "--speculative-config, on fw without speculation (no-speculation: the same engine, "
+                        "requests opted out), taking turns with fw, and print fw/baseline ratios (default none).")
     w.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
                    help="The folder with llama.cpp's llama-bench and llama-batched-bench (--baseline llama.cpp).")
     w.add_argument("--workload", choices=("random", "copy"), default="random",
