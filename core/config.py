@@ -76,7 +76,8 @@ class EngineConfig:
     speculative_config: dict | None = field(default=None, metadata=_opt(
         "Speculative decoding, a JSON object as vLLM's: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}. method names a proposer plugin (ngram: prompt "
-        "lookup); the output is the same as without it. Also disable_by_batch_size (default 8) and "
+        "lookup; draft_model: a smaller model with the target's tokenizer, given as \"model\"); the output is the "
+        "same as without it. Also disable_by_batch_size (default 8) and "
         "min_acceptance_rate (default 0.2); docs/speculative.md."))
     quantization: str | None = field(default=None, metadata=_opt(
         "Quantization method plugin; default: from the checkpoint's quantization_config.",
