@@ -227,6 +227,10 @@ def test_thread_governor_is_off_for_one_thread_or_without_tuning(monkeypatch):
 def test_bench_contention_starts_and_stops_busy_neighbours():
     from fw.bench.contention import busy_neighbours
 
+    import os
+
     with busy_neighbours(2) as procs:
         assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        # another session each, as the neighbour (another user's job, another scheduler autogroup)
+        assert all(os.getsid(p.pid) == p.pid != os.getsid(0) for p in procs)
     assert all(p.poll() is not None for p in procs)

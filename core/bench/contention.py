@@ -17,9 +17,11 @@ _SPIN = "while True: pass"
 
 @contextlib.contextmanager
 def busy_neighbours(count: int) -> Iterator[list[subprocess.Popen]]:
-    """`count` processes that each keep one core busy (pure Python spinning) until the block ends."""
-    procs = [subprocess.Popen([sys.executable, "-c", _SPIN], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(count)]
+    """`count` processes that each keep one core busy (pure Python spinning) until the block ends. Each runs
+    in a session of its own, as another user's job does: where the kernel groups processes by session
+    (sched_autogroup), a child in fw's session would be scheduled inside fw's own group instead."""
+    procs = [subprocess.Popen([sys.executable, "-c", _SPIN], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(count)]
     try:
         yield procs
     finally:
