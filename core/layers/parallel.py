@@ -8,8 +8,10 @@ all-reduce. One all-reduce per block, none between the two halves.
 
 Each rank keeps only its slice: the checkpoint tensor (memory-mapped by the safetensors reader)
 is narrowed before the copy. A row-parallel bias is added by rank 0's partial sum alone. At one
-rank both classes are plain `Linear`s. Only dense weights split for now: a quantization method
-packs rows and groups its own way, so it is refused by name rather than cut at a wrong boundary."""
+rank both classes are plain `Linear`s. Dense weights split, and so do GGUF weights kept packed
+(`GGUFWeight`: rows are independent, and blocks run along the input dimension, so a row-parallel
+rank's columns are cut between blocks or refused). Other quantization methods pack rows and groups
+their own way, so they are refused by name rather than cut at a wrong boundary."""
 
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ import torch
 
 from fw.distributed.group import tensor_parallel_of
 from fw.errors import UnsupportedConfigurationError
+from fw.layers.gguf_weight import GGUFWeight
 from fw.layers.linear import Linear, UnquantizedLinearMethod
 
 
 def _check_dense(layer: Linear) -> None:
-    if layer.tp.size > 1 and type(layer.method) is not UnquantizedLinearMethod:
+    splits = type(layer.method) is UnquantizedLinearMethod or getattr(layer.method, "keeps_gguf_blocks", False)
+    if layer.tp.size > 1 and not splits:
         raise UnsupportedConfigurationError(
             f"--tensor-parallel-size {layer.tp.size}: {layer.prefix} uses the {type(layer.method).__name__} "
             f"quantization method, whose packed weights fw does not split across ranks yet; serve a dense "
@@ -52,7 +56,8 @@ class ColumnParallelLinear(Linear):
     def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if self.tp.size > 1:
             size = self.output_size if shard is None else self.output_sizes[shard]
-            tensor = tensor.narrow(0, self.tp.rank * size, size)
+            start = self.tp.rank * size
+            tensor = tensor.narrow_rows(start, size) if isinstance(tensor, GGUFWeight) else tensor.narrow(0, start, size)
         super().load_weight(param_name, tensor, shard)
 
 
@@ -70,6 +75,9 @@ class RowParallelLinear(Linear):
         if self.tp.size > 1:
             if param_name == "bias":  # summed over ranks: only rank 0 adds it
                 tensor = tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+            elif isinstance(tensor, GGUFWeight):  # packed: cut between blocks
+                tensor = tensor.narrow_cols(self.tp.rank * self.input_size, self.input_size,
+                                            f"--tensor-parallel-size {self.tp.size}: {self.prefix}")
             else:
                 tensor = tensor.narrow(1, self.tp.rank * self.input_size, self.input_size)
         super().load_weight(param_name, tensor, shard)

@@ -93,6 +93,20 @@ def test_custom_architectures_without_installing(checkpoint, expected):
     generate_and_check(llm, expected)
 
 
+def test_runs_split_over_two_processes_without_code_of_its_own(checkpoint, expected):
+    """fw's tensor parallelism (issue 22) splits the plugin's SelfAttention and GatedMLP by heads and MLP
+    columns; the plugin's parallel block sums two row-parallel outputs, each all-reduced."""
+    from fw import LLM
+
+    llm = LLM(str(checkpoint), custom_architectures=[f"{PLUGIN_ROOT}:fw_example_arch.plugin"],
+              tensor_parallel_size=2, **ENGINE)
+    try:
+        assert llm.engine.runner.layers[0].num_heads * 2 == llm.engine.loaded.hf_config.num_attention_heads
+        generate_and_check(llm, expected)
+    finally:
+        llm.engine.cluster.close()
+
+
 def test_without_the_plugin_fw_says_what_is_missing(checkpoint):
     from fw import LLM
     from fw.errors import UnsupportedArchitectureError
