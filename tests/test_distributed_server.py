@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess
+from server_fixtures import ServerProcess, wait_for
 
 TINY_TP2 = ("--dtype", "float32", "--tp", "2", "--kv-cache-memory", "4MiB")
 
@@ -152,6 +153,15 @@ def complete_all(server: ServerProcess, prompts: list[str], max_tokens: int = 16
         return list(pool.map(one, prompts))
 
 
+def collect_stream(server: ServerProcess, prompt: str, events: list[dict]) -> None:
+    """Stream a long completion into `events` (each chunk or error event) until it ends."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+
+
 def replica_metric(server: ServerProcess, name: str) -> dict[str, float]:
     from server_fixtures import metric_samples
 
@@ -174,8 +184,19 @@ def test_dp2_spreads_a_load_over_both_replicas_and_keeps_serving_when_one_dies(t
         served = replica_metric(server, "fw_replica_requests_total")
         assert served["0"] >= 2 and served["1"] >= 2 and sum(served.values()) == len(DP_PROMPTS), served
 
+        # two long streams, one on each replica (the second goes where fewer tokens wait); replica 1 dies
+        events: dict[int, list[dict]] = {0: [], 1: []}
+        streams = [threading.Thread(target=collect_stream, args=(server, DP_PROMPTS[i], events[i])) for i in (0, 1)]
+        for thread in streams:
+            thread.start()
+        wait_for(lambda: all(events.values()), 60, message="both streams started")
         os.kill(replicas[0], signal.SIGKILL)
-        time.sleep(0.5)
+        for thread in streams:
+            thread.join(60)
+        ends = sorted(("error" in e[-1]) for e in events.values())
+        assert ends == [False, True], [e[-1] for e in events.values()]  # one finished, one failed
+        error = next(e[-1]["error"] for e in events.values() if "error" in e[-1])
+        assert error["code"] == 503 and "data-parallel replica 1 (pid" in error["message"], error
         assert complete_all(server, DP_PROMPTS[:4]) == expected[:4]  # replica 0 answers them all
         health = httpx.get(server.url + "/health", timeout=5)
         assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
