@@ -108,7 +108,8 @@ class BertModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ModelContext):
         super().__init__()
-        cfg.require("norm_eps", "intermediate_size", "hidden_act", "max_position_embeddings", "type_vocab_size")
+        cfg = ModelConfig.from_hf(cfg).require(
+            "norm_eps", "intermediate_size", "hidden_act", "max_position_embeddings", "type_vocab_size")
         if cfg.position_embedding_type != "absolute":
             raise ValueError(f"BERT position_embedding_type {cfg.position_embedding_type!r} is not supported "
                              f"(only absolute)")

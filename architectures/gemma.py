@@ -109,7 +109,7 @@ class GemmaForCausalLM(CausalLM):
     skip_weights = ("rotary_emb.",)
 
     def __init__(self, cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None, version: int = 1):
-        cfg.require("norm_eps", "intermediate_size", "hidden_act")
+        cfg = ModelConfig.from_hf(cfg).require("norm_eps", "intermediate_size", "hidden_act")
         super().__init__(cfg, ctx, GemmaModel(cfg, ctx, max_positions or cfg.max_position_embeddings, version),
                          tie_by_default=True)
         self.final_softcap = cfg.final_logit_softcapping if version >= 2 else None

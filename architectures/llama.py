@@ -29,7 +29,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None):
-        cfg.require("norm_eps", "intermediate_size")
+        # from_hf: a ModelConfig as is, or the transformers config a plugin subclassing this class hands it
+        cfg = ModelConfig.from_hf(cfg).require("norm_eps", "intermediate_size")
         layers = (LlamaDecoderLayer(cfg, ctx, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
         super().__init__(cfg, ctx, DecoderModel(cfg, ctx, max_positions or cfg.max_position_embeddings, layers))
 

@@ -34,7 +34,8 @@ class MixtralDecoderLayer(PreNormDecoderLayer):
 
 class MixtralForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None):
-        moe = cfg.require("norm_eps", "hidden_act", "moe").moe
+        cfg = ModelConfig.from_hf(cfg).require("norm_eps", "hidden_act", "moe")
+        moe = cfg.moe
         layers = (MixtralDecoderLayer(cfg, moe, ctx, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
         super().__init__(cfg, ctx, DecoderModel(cfg, ctx, max_positions or cfg.max_position_embeddings, layers))
 

@@ -40,7 +40,7 @@ class QwenDecoderLayer(PreNormDecoderLayer):
 
 class QwenForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None, qwen3: bool = False):
-        cfg.require("norm_eps", "intermediate_size", "hidden_act")
+        cfg = ModelConfig.from_hf(cfg).require("norm_eps", "intermediate_size", "hidden_act")
         layers = (QwenDecoderLayer(cfg, ctx, f"model.layers.{i}", i, qwen3) for i in range(cfg.num_hidden_layers))
         super().__init__(cfg, ctx, DecoderModel(cfg, ctx, max_positions or cfg.max_position_embeddings, layers))
 

@@ -64,7 +64,7 @@ class QwenMoeForCausalLM(CausalLM):
     """Qwen2MoeForCausalLM (`qwen3=False`) and Qwen3MoeForCausalLM (`qwen3=True`)."""
 
     def __init__(self, cfg: ModelConfig, ctx: ModelContext, max_positions: int | None = None, qwen3: bool = False):
-        cfg.require("norm_eps", "hidden_act")
+        cfg = ModelConfig.from_hf(cfg).require("norm_eps", "hidden_act")
         layers = (QwenMoeDecoderLayer(cfg, ctx, i, qwen3) for i in range(cfg.num_hidden_layers))
         super().__init__(cfg, ctx, DecoderModel(cfg, ctx, max_positions or cfg.max_position_embeddings, layers))
 

@@ -15,23 +15,22 @@ from torch import nn
 
 from fw.errors import UnsupportedConfigurationError
 from fw.layers.attention import Attention
+from fw.model_config import as_model_config
 
 
 def sliding_window_needed(hf_config: Any) -> int | None:
     """The config's window if at least one layer uses it, else None."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+    cfg = as_model_config(hf_config)
+    if not cfg.sliding_window or cfg.use_sliding_window is False:
         return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+    if cfg.layer_types is not None and "sliding_attention" not in cfg.layer_types:
         return None
-    return int(window)
+    return cfg.sliding_window
 
 
 def logit_softcap_needed(hf_config: Any) -> float | None:
     """Attention-logit soft-capping (Gemma 2's `attn_logit_softcapping`)."""
-    cap = getattr(hf_config, "attn_logit_softcapping", None)
-    return float(cap) if cap else None
+    return as_model_config(hf_config).attn_logit_softcapping
 
 
 def check_built_layers(model: nn.Module, backend_spec: Any) -> None:
