@@ -7,6 +7,7 @@ templates are files in `fw/scaffold/templates/`, rendered with string.Template."
 from __future__ import annotations
 
 import importlib.metadata as md
+import textwrap
 from pathlib import Path
 from typing import Iterable
 
@@ -58,12 +59,12 @@ def port_values(port) -> dict[str, str]:
     """The architecture_port templates' placeholders: the decoder layer's body from what `port` found."""
     import transformers
 
-    norm = 'RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, rounding=ROUNDING)'
+    norm = 'RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.dtype, rounding=ROUNDING)'
     indent = "\n" + " " * 39  # under SelfAttention's first argument
-    qk = "" if port.qk_norm is None else (f",{indent}qk_norm_eps=cfg.rms_norm_eps, "
+    qk = "" if port.qk_norm is None else (f",{indent}qk_norm_eps=cfg.norm_eps, "
                                           f"qk_norm_width=\"{port.qk_norm}\", qk_norm_rounding=ROUNDING")
     attention = (f"self.self_attn = SelfAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, "
-                 f"head_dim,{indent}ctx, f\"{{prefix}}.self_attn\",{indent}qkv_bias={port.qkv_bias}, "
+                 f"cfg.head_dim,{indent}ctx, f\"{{prefix}}.self_attn\",{indent}qkv_bias={port.qkv_bias}, "
                  f"o_bias={port.o_bias}{qk})")
     mlp = (f"self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx, f\"{{prefix}}.mlp\", "
            f"hidden_act=cfg.hidden_act,\n{' ' * 28}bias={port.mlp_bias})")
@@ -76,7 +77,8 @@ def port_values(port) -> dict[str, str]:
     return {"hf_class": port.hf_class, "config_class": port.config_class, "rounding": port.rounding,
             "layer_base": "PostNormDecoderLayer" if port.layer == "post_norm" else "PreNormDecoderLayer",
             "layer_doc": doc, "layer_body": "\n".join(" " * 8 + line for line in lines),
-            "summary": port.summary(), "transformers_version": transformers.__version__}
+            "summary": port.summary(), "transformers_version": transformers.__version__,
+            "summary_wrapped": textwrap.fill(port.summary() + ".", width=100)}
 
 
 def new_plugin(kind: str, name: str, output_dir: str | Path = ".", *, taken: Iterable[str] = (),
