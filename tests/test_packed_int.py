@@ -47,6 +47,30 @@ def test_kernel_matches_references(m, n, k, bits, dtype):
     torch.testing.assert_close(out.float(), got.float().to(dtype).float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("m", [9, 64, 300])
+def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m):
+    """Above RESIDUAL_MAX_ROWS, a row whose outlier channels make a few blocks' scales large takes the second
+    term in those blocks only: the kernel matches the reference that models it, and its error against the
+    exact product falls well below one term's (which the same rows without outliers keep)."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 96, 576
+    blocks = _blocks(4, n, k, gen)
+    weight = packed_int.pack(blocks)
+    x = torch.randn(m, k, generator=gen)
+    outliers = [7, 100, 101, 450]  # channels in blocks 0, 3 and 14 of 18
+    x[:, outliers] = 40 * torch.randn(m, 4, generator=gen).sign()
+    squared = (x.view(m, -1, 32).abs().amax(-1) / 127).double() ** 2
+    heavy = squared * (k // 32) >= packed_int.HEAVY_FACTOR * squared.sum(1, keepdim=True)
+    assert heavy[:, [0, 3, 14]].all() and heavy.sum(1).max() <= (k // 32) // packed_int.HEAVY_FACTOR
+    got = packed_int.packed_linear(x, [weight], fp32_out=True).double()
+    emulated = packed_int.reference_linear(x, blocks)
+    assert (got - emulated).abs().max() <= 1e-5 * emulated.abs().max()
+    dense = blocks.dequantize().double()
+    exact = x.double() @ dense.T
+    one_term = packed_int.quantize_activations(x, 8).double() @ dense.T  # the same int8 rounding, one term
+    assert (got - exact).norm() < 0.2 * (one_term - exact).norm()
+
+
 needs_f8 = pytest.mark.skipif(not packed_int.applies("cpu", 32, fp8=True), reason="no AVX512-BF16/VBMI CPU")
 
 

@@ -25,7 +25,8 @@
 //
 // Activations: each row's block of 32 is quantized to int8 with scale amax / 127 (round to nearest even),
 // and its code sum kept, as llama.cpp's Q8_1; for 4-bit weights and at most RESIDUAL_MAX_ROWS rows, where
-// the product waits on memory anyway, the rounding residual follows as a second int8 term. Then, per row
+// the product waits on memory anyway, the rounding residual follows as a second int8 term; above them only in
+// a row's heavy blocks (mark_heavy_blocks), where outlier channels make one term's rounding coarse. Then, per row
 // and block, exactly in int32:
 //   q4: sum_k (d q_k + m) x_k ~ dx (d sum(q_k xq_k) + m sum(xq_k))
 //   q8: vpdpbusd takes unsigned x bytes: xq + 128, and sum((xq + 128) q) - 128 sum(q) = sum(xq q).
@@ -63,9 +64,12 @@ constexpr int64_t Q8_RECORD = 576;
 constexpr int64_t F8_RECORD = 576;
 constexpr int64_t PREFETCH_AHEAD = 4608;  // bytes: records are requested this far ahead of the one in use
 
-enum class Kind { Q4, Q4R, Q8, F8 };  // Q4R: 4-bit weights, activations in two int8 terms (few rows)
+// Q4: 4-bit weights, activations in one int8 term but two in each row's heavy blocks; Q4R: two terms everywhere
+// (few rows).
+enum class Kind { Q4, Q4R, Q8, F8 };
 
 constexpr int64_t RESIDUAL_MAX_ROWS = 8;  // up to here 4-bit products take the residual term (memory-bound)
+constexpr double HEAVY_FACTOR = 3.0;  // above RESIDUAL_MAX_ROWS, blocks this far above a row's mean take it too
 
 constexpr int64_t record_bytes(Kind kind) {
   return kind == Kind::Q4 || kind == Kind::Q4R ? Q4_RECORD : kind == Kind::Q8 ? Q8_RECORD : F8_RECORD;
@@ -99,6 +103,7 @@ struct QuantizedRows {
   std::vector<int8_t> codes;   // [M, K]
   std::vector<float> scale;    // [M, KB]
   std::vector<float> scaled_sum;  // [M, KB]: scale * sum of the block's int8 codes
+  std::vector<uint8_t> heavy;  // [M, KB], with `selective`: the row's blocks whose residual term is used
 };
 
 // What a tile kernel reads of the activations: int8 blocks (q4, q8) or bf16 rows (f8), K inputs a row.
@@ -109,11 +114,26 @@ struct Acts {
   int64_t K = 0;
 };
 
+// A row's heavy blocks: those whose squared first-term scale is at least HEAVY_FACTOR times the row's mean over
+// its blocks (so at most KB / HEAVY_FACTOR of them). The first term's rounding error in a block grows with its
+// scale, and a few blocks holding outlier channels carry most of it; their residual term removes it there.
+void mark_heavy_blocks(int64_t M, int64_t KB, QuantizedRows& out) {
+  out.heavy.resize(size_t(M * KB));
+  for (int64_t r = 0; r < M; ++r) {
+    const float* scale = out.scale.data() + 2 * r * KB;  // the row's first term
+    double total = 0.0;
+    for (int64_t b = 0; b < KB; ++b) total += double(scale[b]) * double(scale[b]);
+    for (int64_t b = 0; b < KB; ++b)
+      out.heavy[size_t(r * KB + b)] = double(scale[b]) * double(scale[b]) * double(KB) >= HEAVY_FACTOR * total;
+  }
+}
+
 // Each row's blocks as int8 codes. With `residual` (the q4 kernel) a row becomes two: its codes q1 with scale
 // s1 = amax / 127, then the rounding residual x - s1 q1 (at most s1 / 2) as codes q2 with scale s1 / 254, so
 // s1 q1 + s2 q2 is x within amax / 64,516: rows 2r and 2r + 1 of the output hold row r's two terms.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, bool residual, QuantizedRows& out) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, bool residual, bool selective,
+                   QuantizedRows& out) {
   const int64_t KB = K / BLOCK, terms = residual ? 2 : 1;
   out.codes.resize(size_t(terms * M * K));
   out.scale.resize(size_t(terms * M * KB));
@@ -151,6 +171,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128
       }
     }
   });
+  if (selective) mark_heavy_blocks(M, KB, out);
 }
 
 inline __m512 load_half16(const uint8_t* p) {
@@ -164,10 +185,10 @@ inline void prefetch_record(const uint8_t* p) {
 }
 
 // One tile (16 output rows) times `rows` (1..MR) activation rows, over all KB blocks: acc[r] = 16 row sums.
-// With TERMS = 2 each row comes as two int8 terms (quantize_rows' residual): quantized rows 2r and 2r + 1 with
-// scales s and s / 254. Their integer sums S1 and S2 combine exactly in int32 as 254 S1 + S2 (at most
+// Each row comes as two int8 terms (quantize_rows' residual): quantized rows 2r and 2r + 1 with scales s and
+// s / 254; with SELECTIVE only the row's heavy blocks take the second. Their integer sums S1 and S2 combine exactly in int32 as 254 S1 + S2 (at most
 // 254 * 60,960 + 60,960 in size), so a row costs one conversion and one scale, times s / 254.
-template <int ROWS, int TERMS>
+template <int ROWS, bool SELECTIVE>
 void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
   const QuantizedRows& a = *acts.q;
   const int64_t K = acts.K;
@@ -184,10 +205,10 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
     }
     const __m512 d = load_half16(rec + 256), m = load_half16(rec + 288);
     for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = TERMS * (m0 + r);  // the row's first term; a residual follows it
+      const int64_t row = 2 * (m0 + r);  // the row's first term; its residual follows it
       const int32_t* x1 = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * BLOCK);
       const int64_t ib1 = row * KB + b;
-      if constexpr (TERMS == 2) {
+      if (!SELECTIVE || a.heavy[size_t((m0 + r) * KB + b)]) {
         const int32_t* x2 = x1 + K / 4;
         __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j) {
@@ -302,8 +323,8 @@ void f8_tile(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512*
 
 template <int ROWS, Kind KIND>
 void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc) {
-  if constexpr (KIND == Kind::Q4) q4_tile<ROWS, 1>(tile, KB, a, m0, acc);
-  else if constexpr (KIND == Kind::Q4R) q4_tile<ROWS, 2>(tile, KB, a, m0, acc);
+  if constexpr (KIND == Kind::Q4) q4_tile<ROWS, true>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::Q4R) q4_tile<ROWS, false>(tile, KB, a, m0, acc);
   else if constexpr (KIND == Kind::Q8) q8_tile<ROWS>(tile, KB, a, m0, acc);
 #ifdef FW_PACKED_F8
   else f8_tile<ROWS>(tile, KB, a, m0, acc);
@@ -401,9 +422,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   if (kind == Kind::F8) {
     a.bf16 = bf16_rows(x, rounded, a.ld);
   } else {
-    const bool q8 = kind == Kind::Q8, residual = run_kind == Kind::Q4R;
-    if (x.scalar_type() == at::kFloat) quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, residual, q);
-    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, residual, q);
+    const bool q8 = kind == Kind::Q8, residual = kind == Kind::Q4, selective = run_kind == Kind::Q4;
+    if (x.scalar_type() == at::kFloat)
+      quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, residual, selective, q);
+    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, residual, selective, q);
     a.q = &q;
   }
   const bool write_fp32 = out.scalar_type() == at::kFloat;

@@ -9,8 +9,9 @@ are quantized to int8 per block of 32 inside the kernel (W8A8 and W4A8, as llama
 weights and at most RESIDUAL_MAX_ROWS rows (decode, where the product waits on memory anyway) a second int8
 term carries the first's rounding residual, so those products see activations exact to ~1.5e-5 of each
 block's largest; the int8 rounding alone costs ~0.5% of each product. Above that, where the kernel is
-compute-bound, the second term would double the integer work (64 prompts x 128 tokens: 0.77x the dense
-path's throughput against 1.15x). fp8 weights
+compute-bound and a second term everywhere would double the integer work, only each row's heavy blocks take
+it: the few blocks holding outlier channels, which carry most of one term's rounding error (figures in
+docs/quantization.md). fp8 weights
 (`Fp8Blocks`) are widened exactly to bf16 in registers and multiplied with bf16 activations (W8A16).
 
 `FW_CPU_PACKED_INT=0` turns the kernels off (methods keep their reference paths).
@@ -207,21 +208,30 @@ def layer_forward(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 RESIDUAL_MAX_ROWS = 8  # packed_int.cpp's: up to this many rows 4-bit products take the residual term
+HEAVY_FACTOR = 3.0  # packed_int.cpp's: above them, a row's blocks with scale^2 >= this x the row's mean take it
 
 
 def quantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
-    """x [M, K] as the kernels see it (float32): each block of 32 rounded to int8 codes times amax / 127; for
-    4-bit weights and at most RESIDUAL_MAX_ROWS rows plus the rounding residual as a second term of int8 codes
-    times amax / 32,258, so the activations are exact to ~amax / 64,516."""
+    """x [M, K] as the kernels see it (float32): each block of 32 rounded to int8 codes times amax / 127. For
+    4-bit weights the rounding residual follows as a second term of int8 codes times amax / 32,258 (the block
+    then exact to ~amax / 64,516): in every block up to RESIDUAL_MAX_ROWS rows, above them in a row's heavy
+    blocks, whose squared scale is at least HEAVY_FACTOR times the row's mean (the blocks of outlier channels,
+    which carry most of one term's rounding error)."""
     m, k = x.shape
     blocks = x.float().view(m, k // BLOCK, BLOCK)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
-    seen = torch.zeros_like(blocks)
-    for _ in range(2 if bits == 4 and m <= RESIDUAL_MAX_ROWS else 1):
-        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    terms = []
+    seen, term_scale = torch.zeros_like(blocks), scale
+    for _ in range(2 if bits == 4 else 1):
+        inv = torch.where(term_scale > 0, 1 / term_scale, torch.zeros_like(term_scale))
         codes = ((blocks - seen) * inv).round().clamp(-127, 127)
-        seen = seen + codes * scale
-        scale = scale / 254
+        seen = seen + codes * term_scale
+        terms.append(seen)
+        term_scale = term_scale / 254
+    if bits == 4 and m > RESIDUAL_MAX_ROWS:
+        squared = scale.double() ** 2
+        heavy = squared * (k // BLOCK) >= HEAVY_FACTOR * squared.sum(1, keepdim=True)
+        seen = torch.where(heavy, terms[1], terms[0])
     return seen.view(m, k)
 
 
