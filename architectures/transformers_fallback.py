@@ -212,7 +212,8 @@ class TransformersCausalLM(nn.Module):
         register_attention_function()
         self.cls, _ = _causal_lm_class(hf_config)
         self.ctx = ctx
-        self.config = copy.deepcopy(hf_config)  # transformers writes dtype and attention choice into it
+        real = getattr(hf_config, "transformers_config", None)  # fw's recorded config: the object itself
+        self.config = copy.deepcopy(real() if callable(real) else hf_config)  # transformers writes dtype and attention choice into it
         with torch.device("meta"):
             self.hf = self.cls._from_config(copy.deepcopy(self.config), attn_implementation=ATTN_IMPLEMENTATION,
                                             dtype=ctx.dtype)

@@ -56,4 +56,10 @@ for plugin in fw-sampler-dry fw-sampler-xtc; do
     pip_q --no-deps -e "plugins/$plugin"
   fi
 done
+# What the first `fw serve` would otherwise derive from the bundled model (its tokenizer converted from the
+# GGUF vocabulary, its config; seconds each), so that first start is as fast as any later one.
+say "warming fw's cache for the bundled model (fw warm-cache)"
+if ! fw warm-cache | sed 's/^/  /'; then
+  say "warning: fw warm-cache failed (above); the first fw serve will do that work instead"
+fi
 say "done: .venv is ready. Serve the bundled model with: .venv/bin/fw serve"

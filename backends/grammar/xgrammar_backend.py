@@ -202,7 +202,9 @@ def tokenizer_info(tokenizer: GrammarTokenizer) -> Any:
     import xgrammar as xgr
     hf = tokenizer.hf_tokenizer
     stop = sorted(tokenizer.eos_token_ids)
-    detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tokenizer.vocab_size, stop_token_ids=stop)
+    real = getattr(hf, "transformers_tokenizer", None)  # fw's FastTokenizer: xgrammar inspects transformers' own
+    detected = xgr.TokenizerInfo.from_huggingface(real() if callable(real) else hf, vocab_size=tokenizer.vocab_size,
+                                                  stop_token_ids=stop)
     special = tokenizer.special_token_ids
     encoded = [""] * tokenizer.vocab_size
     for piece, token_id in hf.get_vocab().items():

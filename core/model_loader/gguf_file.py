@@ -9,11 +9,7 @@ llama.cpp's Q/K row permutation) through `ArchitectureSpec.gguf_weight_transform
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-import shutil
-import tempfile
 from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterator
@@ -26,7 +22,8 @@ from fw.errors import ModelLoadError
 from fw.layers.gguf_weight import GGUFWeight
 from fw.layers.weights import unpermute_gguf_qk
 from fw.model_loader.gguf_header import GGUFHeader
-from fw.paths import cache_dir
+from fw.model_loader.config_snapshot import cached_config
+from fw.model_loader.derived_cache import entry_dir, entry_key
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -83,7 +80,13 @@ class GGUFModel:
         return arch
 
     def hf_config(self, hf_architecture: str):
-        """A transformers config built from the metadata (only the keys it needs: fast)."""
+        """The transformers config the metadata makes, recorded once per file and read back without
+        transformers on later starts (fw.model_loader.config_snapshot)."""
+        key = entry_key("gguf-configs", [self.path], hf_architecture)
+        return cached_config("gguf-configs", key, lambda: self._transformers_config(hf_architecture))
+
+    def _transformers_config(self, hf_architecture: str):
+        """A transformers config built from the metadata (only the keys it needs)."""
         from transformers import AutoConfig
         from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
@@ -116,23 +119,26 @@ class GGUFModel:
         return _tokenizer_cache_dir(self.path)
 
     def tokenizer(self):
-        """transformers' GGUF tokenizer conversion takes seconds; do it once per file and cache it."""
-        from transformers import AutoTokenizer
+        """transformers' GGUF tokenizer conversion takes seconds: done once per file and kept in fw's cache
+        with its snapshot, which later starts load with `tokenizers` alone (fw.model_loader.fast_tokenizer)."""
+        from fw.model_loader.hf import cached_tokenizer
 
         cached = self.tokenizer_cache_dir()
-        if not (cached / "tokenizer.json").is_file():
+
+        def convert():
+            from transformers import AutoTokenizer
+
             try:
-                tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+                return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
             except Exception as exc:
                 raise ModelLoadError(f"{self.path}: its tokenizer could not be read: {exc}") from None
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=cached.parent))
-            tok.save_pretrained(str(tmp))
-            try:
-                os.replace(tmp, cached)  # atomic: concurrent first loads cannot see half a cache
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return AutoTokenizer.from_pretrained(str(cached))
+
+        def from_transformers():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(cached))
+
+        return cached_tokenizer(cached, from_transformers, convert)
 
     def tensor_type(self, gguf_name: str) -> int | None:
         """The ggml type id of a tensor (say "token_embd.weight"), or None if the file has no such tensor."""
@@ -210,6 +216,4 @@ def transform_weight(transform: Callable, name: str, tensor, cfg):
 
 
 def _tokenizer_cache_dir(path: Path) -> Path:
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    return cache_dir() / "gguf-tokenizers" / key
+    return entry_dir("gguf-tokenizers", entry_key("gguf-tokenizers", [path]))

@@ -24,7 +24,7 @@ from fw.model_loader.attention_needs import check_built_layers, logit_softcap_ne
 from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
 from fw.model_loader.hardware import cpu_has_native_bf16
 from fw.model_loader.kv_cache_dtype import KvScales, bind_kv_cache, kv_cache_requirement, resolve_kv_cache_dtype
-from fw.model_loader.hf import iter_safetensors, load_hf_config, load_tokenizer
+from fw.model_loader.hf import generation_eos_ids, iter_safetensors, load_hf_config, load_tokenizer
 from fw.model_loader.quantized_weights import check_expert_tensors, check_method_supported, warn_dense_experts
 from fw.model_loader.source import ModelSource, resolve_model
 from fw.plugins.manager import PluginManager
@@ -145,13 +145,9 @@ def eos_ids(hf_config, tokenizer, source: ModelSource) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     if source.kind == "directory" and (source.path / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
         try:
-            gen = GenerationConfig.from_pretrained(str(source.path))
-            value = gen.eos_token_id
-            ids.update([value] if isinstance(value, int) else list(value or []))
-        except Exception as exc:  # a broken generation_config must not block serving
+            ids.update(generation_eos_ids(source.path))
+        except ValueError as exc:  # a broken generation_config must not block serving
             logger.warning("ignoring %s/generation_config.json: %s", source.path, exc)
     return frozenset(ids)
 
