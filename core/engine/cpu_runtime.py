@@ -11,7 +11,7 @@ Three effects, all measured on SmolLM2 bf16, 64 prompts (docs/performance.md):
   an OpenMP team behind) and steps it on an engine thread (a second team), so
   every parallel op waited on sleeping workers: a one-thread speed or worse.
   `release_openmp_threads` ends the main thread's team before the engine thread
-  starts (175 -> 64 us for an elementwise op of 590k floats).
+  starts (docs/performance.md has the figure).
 * Weights stream from memory every step: `advise_huge_pages` asks for 2 MiB
   pages for them (fw.layers.weight_arena; the kernel's transparent huge pages,
   in their "madvise" mode the default on most distributions), so the hardware
@@ -150,7 +150,8 @@ class ThreadGovernor:
 
     Why: torch's parallel regions end at a barrier that waits for every thread; with as many threads as
     cores and one core busy elsewhere, each of a step's hundreds of regions waits for a descheduled thread,
-    and batch-1 decode fell from 82 to 1.0 tok/s on this project's 2-core machine next to one busy process.
+    and batch-1 decode all but stopped on this project's 2-core machine next to one busy process
+    (docs/performance.md).
     Every `interval_s` while the engine steps, the governor measures the CPU time other processes took on the
     cores this process may use. It steps with fewer threads only when two samples in a row (a neighbour busy
     for a second, not a burst) leave fewer cores, and with more again as soon as one sample shows them free.
