@@ -192,6 +192,32 @@ def test_a_removed_export_and_a_removed_kind_are_breaking(monkeypatch, entries):
         ("const fw.plugins.specs.KINDS['tool_parser']", "removed", True)}
 
 
+def test_an_untyped_parameter_given_its_stated_type_is_additive():
+    """`Any` (or no annotation) filled in with the type the docstring promised changes nothing plugins
+    pass or receive at run time; any other retyping, or one of a hook or an implemented interface,
+    still breaks."""
+    spec = "use fw.plugins.specs.ArchitectureSpec(build)"
+    cases = {
+        (spec, "#2 pos/kw: Callable[..., Any], required", "#2 pos/kw: ArchitectureBuild, required"): False,
+        (spec, "#2 pos/kw, required", "#2 pos/kw: ArchitectureBuild, required"): False,
+        (spec, "#5 pos/kw: Callable[[str, Any, Any], Any] | None = None",
+         "#5 pos/kw: Callable[[str, torch.Tensor, X], torch.Tensor] | None = None"): False,
+        (spec, "#1 pos/kw: Callable[[dict], bool] | None = None",
+         "#1 pos/kw: Callable[[dict[str, int]], bool] | None = None"): True,  # dict narrowed: not an Any
+        (spec, "#1 pos/kw: int = 1", "#1 pos/kw: str = 1"): True,
+        (spec, "#2 pos/kw: Callable[..., Any], required", "#2 pos/kw: ArchitectureBuild = None"): True,
+        (spec, "#2 pos/kw: Callable[..., Any], required", "#3 pos/kw: ArchitectureBuild, required"): True,
+        ("hook fw_register_widgets(register)", "#0 pos/kw", "#0 pos/kw: Callable[[Any], None]"): True,
+        ("impl fw.layers.moe.MoeKernel.apply(x)", "#0 pos/kw", "#0 pos/kw: torch.Tensor"): True,
+    }
+    for (key, old, new), breaking in cases.items():
+        (change,) = diff({key: old}, {key: new})
+        assert change.breaking is breaking, (key, old, new)
+    (typed,) = diff({spec: "#2 pos/kw: Callable[..., Any], required"},
+                    {spec: "#2 pos/kw: ArchitectureBuild, required"})
+    assert str(typed).startswith("additive: typed ") and needed_bump([typed]) == "minor"
+
+
 def test_versions_only_grow(entries):
     assert "went backwards" in bump_problem(_snap("1.2", entries), _snap("1.1", entries))
 
