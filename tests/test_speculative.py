@@ -177,6 +177,7 @@ def test_config_is_read_from_the_flag_env_yaml_and_library(tmp_path):
     ('{"method": "ngram", "num_speculative_tokens": 17}', "from 1 to 16"),
     ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size"),
     ('{"method": "ngram", "min_acceptance_rate": 2}', "min_acceptance_rate"),
+    ('{"method": "ngram", "adaptive_k": "yes"}', "adaptive_k must be true or false"),
 ])
 def test_bad_configurations_are_config_errors_naming_the_flag(value, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -534,6 +535,30 @@ def test_large_batches_do_not_speculate(gqa_dir, references):
     assert stats["spec_num_steps_disabled_by_batch"] > 0
     # drafts only once fewer than 3 sequences ran: never here, the four finish together
     assert stats["spec_num_drafts"] == 0
+
+
+def test_best_k_follows_the_acceptance():
+    from fw.speculative.service import best_k
+
+    assert [best_k(a, 4) for a in (1.0, 0.98, 0.9, 0.6, 0.5, 0.3, 0.0)] == [4, 4, 4, 3, 2, 1, 1]
+    assert best_k(0.9, 8) == 8 and best_k(0.75, 8) == 5
+    assert best_k(0.9, 4, cost=1.0) == 1  # when a draft token costs a whole decode, one is the most that pays
+
+
+def test_adaptive_k_shortens_the_drafts_of_a_sequence_whose_drafts_fail_early(gqa_dir, references):
+    """Every draft's token at position 1 is wrong: one token is accepted per draft (acceptance 1/2 given the
+    ones before), so the sequence drafts 2 tokens instead of 4; without adaptive_k it keeps drafting 4.
+    The output is the same either way."""
+    lengths = {}
+    for adaptive in (True, False):
+        llm = replay_llm(gqa_dir, references, wrong_at=1,
+                         spec={"adaptive_k": adaptive, "min_acceptance_rate": 0.0})
+        out = llm.generate(PROMPTS[3], greedy(40))[0]
+        assert out.outputs[0].token_ids == references[tuple(out.prompt_token_ids)]
+        stats = llm.engine.stats()
+        lengths[adaptive] = stats["spec_num_draft_tokens"] / stats["spec_num_drafts"]
+        assert stats["spec_accepted_per_position"][0] == stats["spec_num_drafts"]
+    assert lengths[False] > 3.5 and lengths[True] < 2.5
 
 
 def test_low_acceptance_pauses_a_sequence(gqa_dir, references):

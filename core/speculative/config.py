@@ -24,6 +24,7 @@ CORE_KEYS = {
     "num_speculative_tokens": f"draft tokens per step, k (1 to {MAX_SPECULATIVE_TOKENS})",
     "disable_by_batch_size": "no speculation in a step whose running batch has at least this many sequences",
     "min_acceptance_rate": "a sequence whose recent drafts were accepted less often than this pauses speculating",
+    "adaptive_k": "each sequence drafts the k (up to num_speculative_tokens) its recent acceptance makes pay best",
 }
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.2
@@ -35,6 +36,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
+    adaptive_k: bool = True
     args: dict[str, Any] = field(default_factory=dict, hash=False)  # the method's own keys
 
     @classmethod
@@ -68,7 +70,10 @@ class SpeculativeConfig:
         rate = raw.pop("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE)
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
             raise ConfigError(f"{FLAG}: min_acceptance_rate must be a number from 0 to 1, got {rate!r}")
-        return cls(method, k, batch, float(rate), raw)
+        adaptive = raw.pop("adaptive_k", True)
+        if not isinstance(adaptive, bool):
+            raise ConfigError(f"{FLAG}: adaptive_k must be true or false, got {adaptive!r}")
+        return cls(method, k, batch, float(rate), adaptive, raw)
 
 
 # A request's `speculative_config` (SamplingParams): what one request may set, and what it means.

@@ -12,6 +12,9 @@ model runner returns logits at all of them, and the engine verifies (fw.speculat
   `min_acceptance_rate`): it pauses for a number of its decode steps that doubles with each pause in a row;
 - a request with `SamplingParams.speculative = False`, and one close to `max_tokens` or the maximum length
   (the draft is cut to what could still be emitted).
+
+With `adaptive_k` (the default) each sequence drafts the k that its recent acceptance makes pay best
+(`best_k`): all k while nearly every draft token is kept, fewer as more are rejected.
 """
 
 from __future__ import annotations
@@ -29,6 +32,25 @@ logger = logging.getLogger("fw.speculative")
 
 PAUSE_MIN, PAUSE_MAX = 4, 64  # decode steps a sequence with poor acceptance stops drafting for
 EMA_WEIGHT = 0.5  # weight of the newest draft in a sequence's acceptance average
+# adaptive k: a verify pass's cost per draft token, in one-token decode steps (SmolLM2 on this CPU: a
+# 5-token verify pass took 1.44 decodes; docs/speculative.md), how fast old drafts are forgotten, and
+# what a new sequence is assumed to accept (3 draft tokens of 4 tried)
+DRAFT_TOKEN_COST = 0.1
+ADAPT_DECAY = 0.8
+PRIOR_ACCEPTED, PRIOR_TRIED = 3.0, 4.0
+
+
+def best_k(alpha: float, k_max: int, cost: float = DRAFT_TOKEN_COST) -> int:
+    """The draft length that emits the most tokens per unit of verify cost. With each draft token accepted
+    with probability `alpha` given the ones before it, a draft of k emits (1 - alpha^(k+1)) / (1 - alpha)
+    tokens on average (the accepted ones and the one after) and its verify pass costs 1 + cost * k decodes."""
+    best, best_value = 1, 0.0
+    for k in range(1, k_max + 1):
+        tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+        value = tokens / (1.0 + cost * k)
+        if value > best_value + 1e-9:
+            best, best_value = k, value
+    return best
 
 
 @dataclass
@@ -41,6 +63,14 @@ class SpeculationState:
     recent_rate: float = 1.0
     paused_steps: int = 0
     next_pause: int = PAUSE_MIN
+    # adaptive k: draft tokens accepted and tried (up to and including the first rejected one), decayed
+    accepted_weight: float = PRIOR_ACCEPTED
+    tried_weight: float = PRIOR_TRIED
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that a draft token is accepted, given the ones before it were."""
+        return self.accepted_weight / self.tried_weight
 
 
 @dataclass
@@ -159,9 +189,10 @@ class Speculator:
                 state.paused_steps -= 1
                 continue
             wanted = seq.params.speculative_config
-            k = min(self.config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
-                    max_length - seq.num_tokens - 1,
-                    (wanted or {}).get("num_speculative_tokens") or self.config.num_speculative_tokens)
+            k = min((wanted or {}).get("num_speculative_tokens") or self.config.num_speculative_tokens,
+                    seq.params.max_tokens - seq.num_output_tokens - 1, max_length - seq.num_tokens - 1)
+            if self.config.adaptive_k and k > 1:
+                k = best_k(state.acceptance, k)
             if k < 1:
                 continue
             seqs.append(seq)
@@ -214,6 +245,8 @@ class Speculator:
         state.num_drafts += 1
         state.num_draft_tokens += num_draft
         state.num_accepted_tokens += num_accepted
+        state.accepted_weight = ADAPT_DECAY * state.accepted_weight + num_accepted
+        state.tried_weight = ADAPT_DECAY * state.tried_weight + num_accepted + (num_accepted < num_draft)
         rate = num_accepted / num_draft
         state.recent_rate = (1 - EMA_WEIGHT) * state.recent_rate + EMA_WEIGHT * rate
         if rate >= 0.5:
@@ -229,4 +262,4 @@ class Speculator:
             self.proposer.release(seq.seq_id)
 
 
-__all__ = ["SpeculationState", "SpeculationStats", "Speculator", "checked_args"]
+__all__ = ["SpeculationState", "SpeculationStats", "Speculator", "best_k", "checked_args"]
