@@ -80,7 +80,9 @@ def test_plugins_list_table(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["PLUGIN", "DISTRIBUTION", "VERSION", "API", "STATUS", "PROVIDES"]
     rows = {line.split()[0]: line for line in lines[1:]}
-    assert re.match(rf"llama\s+fw\s+{re.escape(__version__)}\s+1\.0\s+loaded\s+architecture: llama$", rows["llama"])
+    # an architecture is followed by the Hugging Face classes it serves
+    assert re.match(rf"llama\s+fw\s+{re.escape(__version__)}\s+1\.5\s+loaded\s+"
+                    r"architecture: llama \(LlamaForCausalLM, MistralForCausalLM\)$", rows["llama"])
     assert re.search(r"loaded\s+attention_backend: sdpa$", rows["sdpa"])
     assert "sampler: logit_bias, min_tokens, penalties, temperature, top_k, top_p, min_p, default" in rows["samplers"]
     # columns line up: every row's STATUS starts where the header's does
@@ -94,7 +96,7 @@ def test_plugins_list_json_and_kind_filter(capsys):
     assert rows["sdpa"] == {
         "name": "sdpa", "distribution": "fw", "version": __version__, "module": "fw.backends.attention.sdpa",
         "api_version": "1.2", "status": "loaded", "error": None, "warnings": [],
-        "provides": {"attention_backend": ["sdpa"]}, "overrides": {},
+        "provides": {"attention_backend": ["sdpa"]}, "overrides": {}, "hf_architectures": {},
     }
     samplers = listed(capsys, "--kind", "sampler")
     assert "samplers" in samplers and all(set(row["provides"]) == {"sampler"} for row in samplers.values())
@@ -102,6 +104,8 @@ def test_plugins_list_json_and_kind_filter(capsys):
     architectures = listed(capsys, "--kind", "architecture")
     assert {"llama", "gemma", "qwen", "mixtral", "qwen_moe", "transformers"} <= set(architectures)
     assert all(set(row["provides"]) == {"architecture"} for row in architectures.values())
+    assert architectures["qwen"]["hf_architectures"] == {"qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"]}
+    assert architectures["transformers"]["hf_architectures"] == {"transformers": []}  # a fallback: any
     grammar = listed(capsys, "--kind", "grammar_backend")
     assert {name: row["provides"] for name, row in grammar.items()} == {
         "xgrammar": {"grammar_backend": ["xgrammar"]}, "outlines": {"grammar_backend": ["outlines"]}}
