@@ -104,6 +104,7 @@ def test_a_killed_worker_fails_the_stream_within_5_s_then_health_503_and_a_non_z
         server.kill()
 
 
+@pytest.mark.slow
 def test_a_worker_killed_while_idle_turns_health_503_and_ends_the_server(tmp_path, gqa_dir):
     server, procs = start(tmp_path, gqa_dir)
     try:
