@@ -292,3 +292,24 @@ def test_a_request_cannot_switch_the_draft(gqa_dir, mha_dir):
         llm.generate("x", greedy(4, speculative_config={"model": str(mha_dir)}))
     out = llm.generate(PROMPTS[0], greedy(12, speculative_config={"model": str(gqa_dir), "num_speculative_tokens": 2}))
     assert out[0].metrics["spec_num_draft_tokens"] <= 2 * out[0].metrics["spec_num_drafts"]
+
+
+def test_draft_pages_evict_the_least_recently_drafted(gqa_dir):
+    """When the draft's pages run out, sequences outside the call give theirs back, least recently drafted
+    first; a sequence that still does not fit drafts nothing this step."""
+    from fw.speculative import DraftRequest
+
+    llm = make_llm(gqa_dir, speculative_config=spec(gqa_dir, k=2), num_kv_blocks=6, kv_cache_page_size=4)
+    runner = drafter(llm).runner
+    assert runner.blocks.num_blocks == 6
+
+    def request(seq_id, n):
+        return DraftRequest(seq_id, list(range(10, 10 + n)), n, 2, greedy(8))
+
+    index, seqs, logits = runner.start([request(1, 9), request(2, 9)])  # 10 tokens: 3 pages each
+    assert index == [0, 1] and logits.shape == (2, 512) and runner.blocks.num_free_blocks == 0
+    index, _, _ = runner.start([request(3, 5)])  # 2 pages: taken from sequence 1, the least recently drafted
+    assert index == [0] and set(runner.tracks) == {2, 3}
+    index, _, _ = runner.start([request(2, 9), request(4, 20)])  # 6 pages: would need sequence 2's too
+    assert index == [0] and set(runner.tracks) == {2}  # 3 went for 4, which still did not fit
+    assert len(runner.tracks[2].seq.block_table) == 3
