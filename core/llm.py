@@ -37,6 +37,14 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def model_info(self) -> dict[str, Any]:
+        """What runs the model, from the engine plan (fw.plan): `architecture` (the fw plugin's name),
+        `hf_architectures`, `plugin` and `distribution` (who registered it), `attention_backend`,
+        `quantization` (None: dense weights), `moe_kernel`, `device`, `dtype`, `kv_cache_dtype`,
+        `max_length`, `task`. `llm.engine.loaded.plan` holds every decision with its candidates."""
+        return {**self.engine.loaded.plan.summary(), "task": self.engine.config.task}
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

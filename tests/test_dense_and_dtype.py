@@ -14,6 +14,7 @@ from fw.layers import dense
 from fw.layers.dense import cpu_packing_available
 from fw.model_loader import hardware, loader
 from fw.model_loader.source import ModelSource
+from fw.plan import rules
 
 needs_packing = pytest.mark.skipif(not cpu_packing_available(), reason="torch built without oneDNN")
 needs_bf16_kernel = pytest.mark.skipif(not dense.bf16_kernel_ready(), reason="no AVX512-BF16 (or no compiler)")
@@ -147,7 +148,7 @@ def test_cpu_flags_are_read_from_cpuinfo():
 
 @pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native, expected):
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(rules, "cpu_has_native_bf16", lambda: native)  # the dtype rule lives in fw.plan.rules
     cpu = torch.device("cpu")
     for kind in ("gguf", "directory"):
         source = ModelSource(kind=kind, path=None, name="m")

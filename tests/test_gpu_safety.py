@@ -447,7 +447,7 @@ def _fake_gpu_plugin(root) -> None:
 
 def test_doctor_on_a_faked_h200_says_why_an_unverified_faster_backend_was_passed_over(capsys, monkeypatch, root,
                                                                                       gqa_dir):
-    import fw.model_loader.loader as loader
+    import fw.plan.rules as loader  # the device rule: fw.plan resolves the device for doctor and the engine
     from fw.cli.main import main
 
     _fake_gpu_plugin(root)
@@ -478,7 +478,7 @@ def test_doctor_on_a_faked_h200_says_why_an_unverified_faster_backend_was_passed
 
 
 def test_doctor_refuses_reduce_overhead_on_a_gpu(capsys, monkeypatch, gqa_dir):
-    import fw.model_loader.loader as loader
+    import fw.plan.rules as loader  # the device rule: fw.plan resolves the device for doctor and the engine
     from fw.cli.main import main
 
     monkeypatch.setattr(loader, "resolve_device", lambda name: torch.device("cuda"))

@@ -67,6 +67,8 @@ def build_report(cli: dict[str, Any], config_file: str | None, environ) -> dict[
         "plugins": plugins.inventory(),
         "model": diagnosis.model,
         "selections": diagnosis.sections,
+        # every decision the engine makes (fw.plan), with the rejected candidates: what `selections` shows
+        "plan": diagnosis.plan.as_dict() if diagnosis.plan is not None else None,
         "config": diagnosis.config_rows(),
         "warnings": diagnosis.warnings,
         "problems": problems,

@@ -31,8 +31,7 @@ def attach(engine: Any) -> CompiledStep:
 
     config, loaded = engine.config, engine.loaded
     buckets = StepBuckets.from_config(config)
-    inputs = key_inputs(config, loaded.source, loaded.hf_config, loaded.dtype, loaded.device,
-                        loaded.attention.chosen.name, buckets, engine.plugins)
+    inputs = key_inputs(config, loaded.plan, buckets, engine.plugins)
     entry = CacheEntry(cache_root(config), cache_key(inputs))
     with startup.phase(startup.COMPILE):
         step = CompiledStep(loaded.model, buckets, config.compile_mode or "default", entry)

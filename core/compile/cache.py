@@ -100,29 +100,28 @@ def _plugin_versions(plugins) -> list[list[str]]:
     return sorted({(p.distribution, p.version) for p in plugins.plugins.values() if not p.error and not p.disabled})
 
 
-def key_inputs(config, source, hf_config, dtype: torch.dtype, device: torch.device, attention_backend: str,
-               buckets, plugins) -> dict[str, Any]:
-    """Everything the key hashes, as a JSON-able dict (kept in the manifest to explain a key)."""
+def key_inputs(config, plan, buckets, plugins) -> dict[str, Any]:
+    """Everything the key hashes, as a JSON-able dict (kept in the manifest to explain a key). The
+    decisions (dtype, quantization, attention backend, device) are the engine plan's (fw.plan)."""
     from fw import __version__
-    from fw.model_loader.loader import gguf_dequantizes_at_load
+    from fw.plan.rules import checkpoint_quantization
 
-    qcfg = getattr(hf_config, "quantization_config", None)
-    if qcfg is not None and not isinstance(qcfg, dict):
-        qcfg = qcfg.to_dict()
+    source = plan.source
     return {
         "model": {"kind": source.kind, "path": str(source.path), "revision": config.revision,
                   "files": _file_fingerprints(source.path)},
         "model_impl": config.model_impl,
-        "dtype": str(dtype).removeprefix("torch."),
-        "quantization": {"method": config.quantization, "checkpoint": qcfg,
-                         "gguf_dequantize_at_load": gguf_dequantizes_at_load(config, device),
-                         "rope_type": config.rope_type},
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "quantization": {"method": config.quantization, "checkpoint": checkpoint_quantization(plan.hf_config),
+                         "gguf_dequantize_at_load": plan.gguf_dequantize_at_load, "rope_type": config.rope_type},
         "kv_cache_dtype": config.kv_cache_dtype,
-        "attention_backend": attention_backend,
+        # named: the engine runs that backend or refuses to start (warm-cache need not judge it)
+        "attention_backend": (config.attention_backend if config.attention_backend != "auto"
+                              else plan.attention.chosen.name),
         "moe_backend": config.moe_backend,
         "buckets": buckets.as_dict(),
         "compile_mode": config.compile_mode or "default",
-        "device": _device_identity(device),
+        "device": _device_identity(plan.device),
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "fw": __version__,
                      "fw.compile": _compile_sources_hash(), "plugins": _plugin_versions(plugins)},
         "env": {name: os.environ.get(name) for name in _ENV_INPUTS},

@@ -35,9 +35,11 @@ class CompiledStepsArtifact:
         if context.source is None:
             return None
         cfg = context.config
-        hf_config = resolve.model_config(context)
-        inputs = key_inputs(cfg, context.source, hf_config, resolve.dtype(context), resolve.device(context),
-                            resolve.attention_backend(context), StepBuckets.from_config(cfg), context.plugins)
+        plan = resolve.plan(context)
+        plan.check("model", "device", "architecture", "dtype")
+        if cfg.attention_backend == "auto":
+            plan.check("attention_backend")
+        inputs = key_inputs(cfg, plan, StepBuckets.from_config(cfg), context.plugins)
         return CacheEntry(cache_root(cfg), cache_key(inputs))
 
     def check(self, context: WarmContext) -> list[WarmItem]:
@@ -61,7 +63,7 @@ class CompiledStepsArtifact:
             return []
         target = context.options.get("target_device")
         if target:
-            from fw.model_loader.loader import resolve_device
+            from fw.plan.rules import resolve_device
 
             if resolve.device(context) != resolve_device(cfg.device):
                 raise FwError(f"compiled steps are built by running them: --target-device {target} is not the "

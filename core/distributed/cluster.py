@@ -28,8 +28,8 @@ from fw.distributed.group import TensorParallel
 from fw.distributed.processes import STOP_WAIT_S, describe_exit, spawn_workers, stop_processes
 from fw.distributed.threads import bind_rank
 from fw.errors import ConfigError, DistributedError
-from fw.model_loader.loader import model_config, resolve_device
-from fw.model_loader.source import resolve_model
+from fw.plan import resolve
+from fw.plan.rules import resolve_device
 
 logger = logging.getLogger("fw.distributed")
 
@@ -195,9 +195,9 @@ class Cluster:
 
 
 def _check_model(config: EngineConfig, plugins) -> None:
-    source = resolve_model(config.model, config.revision)
-    hf_config, arch = model_config(config, plugins, source)
-    check_config(config, hf_config, arch, source.kind)
+    plan = resolve(config, plugins, tokenizer=False, explain=False)
+    plan.check("model", "architecture")
+    check_config(config, plan.hf_config, plan.architecture, plan.source.kind)
 
 
 def _watch(ref: "weakref.ref[Cluster]", procs: dict) -> None:

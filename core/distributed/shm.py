@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from fw.model_loader.loader import resolve_device
+from fw.plan.rules import resolve_device
 
 _FLAGS_BYTES = 4096
 SLOT_BYTES = 4 << 20  # per rank and slot set: a 2048-token prefill chunk of a 1024-wide model in fp32

@@ -20,7 +20,8 @@ from fw.distributed.group import TensorParallel
 from fw.distributed.threads import bind_rank
 from fw.engine.model_runner import ModelRunner
 from fw.errors import DistributedError, FwError
-from fw.model_loader.loader import load_model, resolve_device
+from fw.model_loader.loader import load_model
+from fw.plan.rules import resolve_device
 from fw.plugins.manager import engine_plugins
 
 logger = logging.getLogger("fw.distributed")

@@ -27,7 +27,8 @@ from fw.engine.scheduler import Scheduler
 from fw.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from fw.grammar.service import GrammarService, SequenceGrammar
 from fw.grammar.tokenizer import GrammarTokenizer
-from fw.model_loader.loader import load_model, resolve_device
+from fw.model_loader.loader import load_model
+from fw.plan.rules import resolve_device
 from fw.plugins.manager import PluginManager, engine_plugins
 from fw.lora.request import LoRARequest
 from fw.pooling.config import READS_EVERY_POSITION, engine_pooling

@@ -11,8 +11,7 @@ import dataclasses
 from fw.config import EngineConfig
 from fw.engine.engine import LLMEngine
 from fw.errors import ConfigError, UnsupportedConfigurationError
-from fw.model_loader.loader import model_config
-from fw.model_loader.source import resolve_model
+from fw.plan import resolve
 from fw.plugins.manager import PluginManager, engine_plugins
 from fw.plugins.specs import ArchitectureSpec
 from fw.pooling.encoder_engine import EncoderEngine
@@ -22,7 +21,9 @@ def model_architecture(config: EngineConfig, plugins: PluginManager | None = Non
     """The architecture spec that will run `config.model` (reads its config, not its weights)."""
     if plugins is None or config.custom_architectures:  # with custom ones, a private look: the engine loads
         plugins = engine_plugins(config, None)         # them into a manager of its own
-    return model_config(config, plugins, resolve_model(config.model, config.revision))[1]
+    plan = resolve(config, plugins, tokenizer=False, explain=False)
+    plan.check("model", "architecture")
+    return plan.architecture
 
 
 def resolve_task(config: EngineConfig, arch: ArchitectureSpec) -> str:

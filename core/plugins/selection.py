@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -49,17 +50,23 @@ def unverified_warning(what: str, spec: Any, device: str, capability: tuple[int,
     return text + "."
 
 
+def selection_rank(spec: Any, device: str) -> int:
+    """The priority auto ranks `spec` by: an attention backend's priority on `device`, else its priority."""
+    priority_on = getattr(spec, "priority_on", None)
+    return priority_on(device) if priority_on is not None else spec.priority
+
+
 def _select_by_priority(registry: Registry, req: Any, name: str | None,
                         refused: Callable[[str, str, str], str], none_usable: Callable[[str], str],
-                        rank: Callable[[Any], int] = lambda spec: spec.priority,
                         what: str = "implementation", flag: str = "its option") -> Selection:
     """The named implementation if it can run, else the best-ranked one that can.
 
     Best: off the CPU, verified on the device's kind (`Verified`) before unverified; then the higher
-    `rank(spec)` (by default `spec.priority`); then the name. `refused(name, reasons, working)` words the
+    `selection_rank`; then the name. `refused(name, reasons, working)` words the
     error for an explicit name that cannot run, `none_usable(detail)` the error when nothing can; `what`
     and `flag` word the warning for a chosen candidate that runs unverified."""
     device, capability = getattr(req, "device", "cpu"), getattr(req, "capability", None)
+    rank = functools.partial(selection_rank, device=device)
     prefer = prefers_verified(device)
     verified = {spec.name: verification(spec, device, capability) for spec in registry}
     rejected = {spec.name: spec.rejection_reasons(req) for spec in registry}
@@ -100,8 +107,7 @@ def select_attention_backend(
     (`AttentionBackendSpec.priority_on`) that can, verified ones first off the CPU. An explicit name
     that cannot run is an error listing its reasons and the names that would work."""
     return _select_by_priority(
-        registry, req, name, rank=lambda spec: spec.priority_on(req.device),
-        what="attention backend", flag="--attention-backend",
+        registry, req, name, what="attention backend", flag="--attention-backend",
         refused=lambda n, why, working: (f"attention backend {n!r} cannot run this model here: {why}. "
                                          f"Backends that would work: {working}."),
         none_usable=lambda detail: (f"no attention backend can run this model on {req.device} with {req.dtype} "
