@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from fw.errors import ModelLoadError
 
@@ -39,6 +39,26 @@ DEFAULTS: Mapping[str, str] = MappingProxyType({
 _NORM_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")
 
 
+class FrozenMapping(Mapping[str, Any]):
+    """A read-only dict that, unlike `types.MappingProxyType`, pickles and deep-copies (a model that
+    holds its config can be saved or copied whole)."""
+
+    def __init__(self, data: Mapping[str, Any] | None = None):
+        self._data = dict(data or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """One rotary embedding: transformers 5's `rope_parameters` for it, with the theta and partial
@@ -48,7 +68,7 @@ class RopeConfig:
     rope_type: str = "default"
     theta: float = 10000.0
     partial_rotary_factor: float = 1.0
-    parameters: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    parameters: Mapping[str, Any] = field(default_factory=FrozenMapping, compare=False)
     max_position_embeddings: int | None = None  # the model's; scaled types compare against it
 
 
@@ -97,7 +117,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qkv_bias: bool | None = None  # Qwen2-MoE's flag (None: not stated)
     rope: RopeConfig = field(default_factory=RopeConfig)
-    layer_ropes: Mapping[str, RopeConfig] = field(default_factory=dict)  # per layer type (Gemma 3)
+    layer_ropes: Mapping[str, RopeConfig] = field(default_factory=FrozenMapping)  # per layer type (Gemma 3)
     layer_types: tuple[str, ...] | None = None  # "full_attention" / "sliding_attention" per layer
     sliding_window: int | None = None
     use_sliding_window: bool | None = None  # None: not stated
@@ -108,7 +128,7 @@ class ModelConfig:
     position_embedding_type: str = "absolute"
     type_vocab_size: int | None = None
     moe: MoeConfig | None = None
-    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    raw: Mapping[str, Any] = field(default_factory=FrozenMapping, compare=False, repr=False)
 
     @classmethod
     def from_hf(cls, hf: Any, name: str | None = None) -> ModelConfig:
@@ -151,7 +171,7 @@ class ModelConfig:
             mlp_bias=bool(_read(hf, "mlp_bias") or False),
             qkv_bias=_optional(bool, _read(hf, "qkv_bias")),
             rope=rope,
-            layer_ropes=MappingProxyType(layer_ropes),
+            layer_ropes=FrozenMapping(layer_ropes),
             layer_types=None if layer_types is None else tuple(layer_types),
             sliding_window=_optional(int, _read(hf, "sliding_window") or None),
             use_sliding_window=_optional(bool, _read(hf, "use_sliding_window")),
@@ -162,7 +182,7 @@ class ModelConfig:
             position_embedding_type=_read(hf, "position_embedding_type") or "absolute",
             type_vocab_size=_optional(int, _read(hf, "type_vocab_size")),
             moe=_moe(hf),
-            raw=MappingProxyType(raw),
+            raw=FrozenMapping(raw),
         )
 
     def require(self, *fields: str) -> ModelConfig:
@@ -223,7 +243,7 @@ def _rope_from(params: Mapping[str, Any], hf: Any, max_positions: int | None) ->
     partial = params.get("partial_rotary_factor", _read(hf, "partial_rotary_factor"))
     partial = 1.0 if partial is None else float(partial)
     params.update(rope_type=rope_type, rope_theta=theta)
-    return RopeConfig(rope_type, theta, partial, MappingProxyType(params), max_positions)
+    return RopeConfig(rope_type, theta, partial, FrozenMapping(params), max_positions)
 
 
 def _ropes(hf: Any, max_positions: int | None) -> tuple[RopeConfig, dict[str, RopeConfig]]:

@@ -81,6 +81,19 @@ def test_an_architecture_refuses_a_field_it_needs_and_fw_does_not_default():
         build(cfg, None, 64)
 
 
+def test_a_model_config_pickles_and_deep_copies():
+    """A model holds its config (CausalLM.config): torch.save(model) and copy.deepcopy(model) need it to."""
+    import copy
+    import pickle
+
+    from transformers import Gemma3TextConfig
+
+    cfg = ModelConfig.from_hf(Gemma3TextConfig())
+    for clone in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):
+        assert clone == cfg and clone.rope_for("sliding_attention").parameters == cfg.layer_ropes[
+            "sliding_attention"].parameters
+
+
 def test_as_model_config_passes_a_model_config_through():
     cfg = ModelConfig.from_hf(_plain())
     assert as_model_config(cfg) is cfg and ModelConfig.from_hf(cfg) is cfg
