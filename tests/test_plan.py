@@ -106,6 +106,9 @@ def test_the_engine_raises_the_plans_first_problem(gqa_dir):
     assert str(err.value) == plan.problems[1].message
     assert str(err.value).endswith("Without --attention-backend, auto would choose "
                                    f"{plan.decision('attention_backend').details['auto_choice']}.")
+    early = resolve(config, get_plugin_manager(), tokenizer=False, until="architecture")  # the factory's look
+    assert early.architecture.name == "llama" and not early.problems and early.attention is None
+    assert early.decision("attention_backend").skipped == "not resolved (until=architecture)"
     text = str(plan)  # printable: each decision, the rejected candidates and why
     assert "  architecture: llama" in text and "rejected flash-attn: device 'cpu' not supported" in text
 

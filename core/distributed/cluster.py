@@ -195,7 +195,7 @@ class Cluster:
 
 
 def _check_model(config: EngineConfig, plugins) -> None:
-    plan = resolve(config, plugins, tokenizer=False, explain=False)
+    plan = resolve(config, plugins, tokenizer=False, explain=False, until="architecture")
     plan.check("model", "architecture")
     check_config(config, plan.hf_config, plan.architecture, plan.source.kind)
 

@@ -21,7 +21,7 @@ def model_architecture(config: EngineConfig, plugins: PluginManager | None = Non
     """The architecture spec that will run `config.model` (reads its config, not its weights)."""
     if plugins is None or config.custom_architectures:  # with custom ones, a private look: the engine loads
         plugins = engine_plugins(config, None)         # them into a manager of its own
-    plan = resolve(config, plugins, tokenizer=False, explain=False)
+    plan = resolve(config, plugins, tokenizer=False, explain=False, until="architecture")
     plan.check("model", "architecture")
     return plan.architecture
 

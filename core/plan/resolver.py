@@ -39,15 +39,19 @@ NEEDS_MODEL = "needs the model's config and the device (see the problems)"
 
 def resolve(config: EngineConfig, plugins: PluginManager, *, source: ModelSource | None = None,
             device: torch.device | None = None, tokenizer: bool = True, explain: bool = True,
-            download: bool = True) -> EnginePlan:
+            download: bool = True, until: str | None = None) -> EnginePlan:
     """The plan for `config` with `plugins`.
 
     `source`: the model's files when already resolved; `device`: a device to plan for instead of
     --device (warm-cache's --target-device); `tokenizer`: load the tokenizer (the engine does; a
     check that needs no tokenizer saves its ~1 s); `explain`: judge every candidate, not only the
     chosen ones (doctor; judging a quantization method imports its library); `download`: fetch a hub
-    model missing from the local cache (doctor and checks never download)."""
-    return _Resolver(config, plugins, explain).run(source, device, tokenizer, download)
+    model missing from the local cache (doctor and checks never download); `until="architecture"`:
+    stop after the architecture (the engine factory's look, before the engine resolves the whole plan;
+    the later decisions are then marked skipped)."""
+    if until not in (None, "architecture"):
+        raise ValueError(f"resolve(until={until!r}): only None (everything) or 'architecture'")
+    return _Resolver(config, plugins, explain).run(source, device, tokenizer, download, until)
 
 
 class _Resolver:
@@ -71,11 +75,12 @@ class _Resolver:
     def decide(self, decision: Decision) -> None:
         self.decisions[decision.name] = decision
 
-    def run(self, source, device, tokenizer: bool, download: bool) -> EnginePlan:
+    def run(self, source, device, tokenizer: bool, download: bool, until: str | None) -> EnginePlan:
         v = self.values
         found = self._source(source, download)
         device_ok = self._device(device)  # the device even without a model (warm-cache before a download)
-        if found and self._architecture() and device_ok:  # the architecture even without a device
+        # the architecture even without a device
+        if found and self._architecture() and device_ok and until != "architecture":
             if tokenizer:
                 self._tokenizer()
             self._dtype_and_length()
@@ -85,7 +90,7 @@ class _Resolver:
         for name in ("architecture", "attention_backend", "quantization_method", "moe_kernel"):
             if name not in self.decisions:
                 self.decide(Decision(name, _OPTIONS[name], getattr(self.config, _OPTIONS[name]),
-                                     skipped=NEEDS_MODEL))
+                                     skipped=NEEDS_MODEL if until is None else f"not resolved (until={until})"))
         return EnginePlan(
             source=v.get("source"), device=v.get("device"), architecture=v.get("architecture"), dtype=v.get("dtype"),
             max_length=v.get("max_length"), kv_cache_dtype=v.get("kv_cache_dtype"), attention=v.get("attention"),
