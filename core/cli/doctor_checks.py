@@ -15,10 +15,11 @@ from typing import Any
 
 from fw.config import EngineConfig, flag_name
 from fw.errors import FwError
+from fw.plan.record import SELECTIONS
 from fw.plugins.manager import PluginManager
 
 # The plan's decisions doctor shows as selections (the others are in `model` and the config rows).
-PLAN_SECTIONS = ("architecture", "attention_backend", "quantization_method", "moe_kernel")
+PLAN_SECTIONS = SELECTIONS
 
 
 def _row(reg, status: str, reasons: list[str] | None = None, note: str | None = None, **extra: Any) -> dict:

@@ -11,9 +11,8 @@ import torch
 
 from fw.errors import FwError
 
-# The decisions in the order the engine makes them (and raises their problems).
-ORDER = ("model", "device", "architecture", "tokenizer", "dtype", "max_length", "kv_cache_dtype",
-         "attention_backend", "quantization_method", "moe_kernel")
+# The decisions that choose among plugins: each has candidates, and is marked skipped when not made.
+SELECTIONS = ("architecture", "attention_backend", "quantization_method", "moe_kernel")
 
 
 @dataclass(frozen=True)
@@ -55,16 +54,13 @@ class Decision:
         if self.skipped is not None:
             return {"skipped": self.skipped}
         out: dict[str, Any] = {"chosen": _plain(self.chosen)}
-        if self.candidates or self.name in _WITH_CANDIDATES:
+        if self.candidates or self.name in SELECTIONS:
             out["candidates"] = [c.as_dict() for c in self.candidates]
         out.update(self.details)
         for key in ("warning", "problem"):
             if getattr(self, key):
                 out[key] = getattr(self, key)
         return out
-
-
-_WITH_CANDIDATES = ("architecture", "attention_backend", "quantization_method", "moe_kernel")
 
 
 @dataclass(frozen=True)

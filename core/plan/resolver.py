@@ -25,7 +25,7 @@ from fw.model_loader.hf import load_hf_config
 from fw.model_loader.kv_cache_dtype import resolve_kv_cache_dtype
 from fw.model_loader.source import ModelSource, cached_snapshot, local_source, resolve_model
 from fw.plan import rules
-from fw.plan.record import Candidate, Decision, EnginePlan, Problem, Resolved
+from fw.plan.record import SELECTIONS, Candidate, Decision, EnginePlan, Problem, Resolved
 from fw.plugins.manager import PluginManager
 from fw.plugins.registry import Registry
 from fw.plugins.selection import (MoeKernelChooser, Selection, prefers_verified, select_attention_backend,
@@ -87,7 +87,7 @@ class _Resolver:
             self._attention()
             self._quantization()
             self._moe()
-        for name in ("architecture", "attention_backend", "quantization_method", "moe_kernel"):
+        for name in SELECTIONS:
             if name not in self.decisions:
                 self.decide(Decision(name, _OPTIONS[name], getattr(self.config, _OPTIONS[name]),
                                      skipped=NEEDS_MODEL if until is None else f"not resolved (until={until})"))
