@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -99,6 +100,11 @@ def test_throughput_passes_alternate_and_report_the_median(gqa_dir, tmp_path, ca
         assert group["value"] == report[side]["output_throughput"]
         assert group["points"] == [p["output_throughput"] for p in passes]
     assert report["ratios"]["elapsed_s"] == pytest.approx(report["fw"]["elapsed_s"] / report["baseline"]["elapsed_s"])
+    drawn = plot.read_text().split("<svg")[1]  # the output-throughput panel as drawn: bars, then each pass's dot
+    bars = [float(v) for v in re.findall(r'<rect[^>]* data-value="([^"]+)"', drawn)]
+    dots = [float(v) for v in re.findall(r'<circle[^>]* data-value="([^"]+)"', drawn)]
+    assert bars == [report["fw"]["output_throughput"], report["baseline"]["output_throughput"]]
+    assert dots == [p["output_throughput"] for side in ("fw", "baseline") for p in report["passes"][side]]
 
 
 def test_num_passes_must_be_positive(gqa_dir, tmp_path, capsys, isolated_plugins):

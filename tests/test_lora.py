@@ -264,7 +264,9 @@ def test_http_load_use_unload_reuse(gqa_dir, adapters, lora_llm):
         assert complete(client, "a")[1] == text(expected["a"])
         assert complete(client, "tiny")[1] == text(base)
         r, _ = complete(client, "b")
-        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        error = r.json()["error"]  # OpenAI's error body
+        assert r.status_code == 404 and error["type"] == "not_found_error" and error["code"] == 404
+        assert "The model `b` does not exist" in error["message"] and "LoRA adapters a" in error["message"]
         load = {"lora_name": "b", "lora_path": str(adapters["b"][0])}
         assert client.post("/v1/load_lora_adapter", json=load).status_code == 401  # behind the API key
         assert client.post("/v1/load_lora_adapter", headers=auth, json=load).status_code == 200

