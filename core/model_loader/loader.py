@@ -4,6 +4,7 @@ attention backend and quantization method, and load the weights. The loader deci
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -132,7 +133,8 @@ def load_model(cfg: EngineConfig, plugins: PluginManager, tensor_parallel: Tenso
     logger.info("loaded %s (%s, %s) with attention backend %s", source.name, arch.name, dtype, attention.chosen.name)
     return LoadedModel(model, hf_config, plan.tokenizer, source, arch, attention, quant_name, dtype, device,
                        plan.max_length, eos_ids(hf_config, plan.tokenizer, source), kv_cache_dtype=plan.kv_cache_dtype,
-                       plan=plan)
+                       # without the GGUF reader: its memory map of the file goes with the load's other temporaries
+                       plan=dataclasses.replace(plan, gguf=None))
 
 
 def _keeps_tied_head(gguf: GGUFModel, hf_config, linear_method, device: torch.device) -> bool:
