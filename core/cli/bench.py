@@ -114,8 +114,9 @@ def _configure_offline(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     w = p.add_argument_group("workload")
     w.add_argument("--output-len", type=int, default=128, help="Tokens generated per request (default 128).")
     w.add_argument("--baseline", choices=("none", "transformers", "llama.cpp", "no-speculation"), default="none",
-                   help="Also run the workload on transformers (same weights, dtype, prompts), on llama.cpp's "
-                        "own benchmark binaries (the same GGUF file, needs --llama-cpp-bin) or, with "
+                   help="Also run the workload on transformers (same weights, dtype, prompts), on llama.cpp "
+                        "(the same GGUF file: its own benchmark binaries from --llama-cpp-bin or PATH, else the "
+                        "llama-cpp-python bindings) or, with "
                         "--speculative-config, on fw without speculation (no-speculation: the same engine, "
                         "requests opted out), taking turns with fw, and print fw/baseline ratios (default none).")
     w.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
