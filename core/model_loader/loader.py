@@ -26,10 +26,9 @@ from fw.model_loader.kv_cache_dtype import KvScales, bind_kv_cache
 from fw.model_loader.quantized_weights import check_expert_tensors, warn_dense_experts
 from fw.model_loader.source import ModelSource
 from fw.plan import EnginePlan, resolve
-# The rules live in fw.plan.rules; these names stay importable from here for existing callers.
-from fw.plan.rules import (ENCODER_ATTENTION, attention_requirements, find_architecture,  # noqa: F401
-                           gguf_dense_fallback, gguf_dequantizes_at_load, resolve_device, resolve_dtype)
 from fw.plan.rules import linear_method as quantization_method
+# The rules live in fw.plan.rules; the names tests import from here stay importable.
+from fw.plan.rules import attention_requirements, resolve_dtype  # noqa: F401
 from fw.plan.rules import quantization as _quantization  # noqa: F401
 from fw.plugins.manager import PluginManager
 from fw.plugins.selection import Selection

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Any, Callable
 
 import torch
@@ -31,8 +30,6 @@ from fw.plugins.registry import Registry
 from fw.plugins.selection import (MoeKernelChooser, Selection, prefers_verified, select_attention_backend,
                                   select_moe_kernel, selection_rank)
 from fw.plugins.specs import MoeRequirements, verification
-
-logger = logging.getLogger("fw.plan")
 
 NEEDS_MODEL = "needs the model's config and the device (see the problems)"
 
@@ -113,7 +110,7 @@ class _Resolver:
                         path = cached_snapshot(name, self.config.revision)
                         if path is None:
                             raise ModelLoadError(
-                                f"{name}: not in the local Hugging Face cache, and fw doctor does not download. "
+                                f"{name}: not in the local Hugging Face cache, and fw doctor and checks do not download. "
                                 f"Run `fw warm-cache --model {name}` to download and verify it.")
                         source = ModelSource("directory", path, name, self.config.revision)
             except FwError as exc:
