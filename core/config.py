@@ -31,6 +31,12 @@ def _opt(help: str, **extra: Any) -> dict:
     return {"help": help, **extra}
 
 
+# The default step budget by device. On a CPU a step of 2,048 prompt tokens held every decoding stream for
+# its whole prefill; 512 cut the streams' worst gap about 3x for about 8% more prefill time
+# (docs/performance.md, "Prefill beside decode on CPU").
+GPU_STEP_TOKENS = 2048
+CPU_STEP_TOKENS = 512
+
 MODEL_IMPLS = ("auto", "fw", "transformers")
 TASKS = ("auto", "generate", "embed")
 POOLINGS = ("auto", "cls", "mean", "max", "mean_sqrt_len", "last")
@@ -107,8 +113,9 @@ class EngineConfig:
     max_batch_size: int = field(default=64, metadata=_opt(
         "Most sequences in one engine step.",
         aliases=(("--max-num-seqs", "vLLM"), ("--max-running-requests", "SGLang"))))
-    max_batch_input_tokens: int = field(default=2048, metadata=_opt(
-        "Token budget of one engine step (decode tokens + prefill chunks).",
+    max_batch_input_tokens: int | None = field(default=None, metadata=_opt(
+        f"Token budget of one engine step (decode tokens + prefill chunks); default: {GPU_STEP_TOKENS} on GPUs, "
+        f"{CPU_STEP_TOKENS} on CPUs, where a long prompt's step holds every running stream for its whole prefill.",
         aliases=(("--max-num-batched-tokens", "vLLM"), ("--max-batch-prefill-tokens", "TGI"))))
     prefill_chunk_size: int | None = field(default=None, metadata=_opt(
         "Longest prefill chunk of one sequence in one step; default: --max-batch-input-tokens."))
@@ -207,6 +214,8 @@ class EngineConfig:
         if self.lora_modules and not self.enable_lora:
             self.enable_lora = True  # naming adapters to load turns LoRA on
         self.device = _device_name(self.device)
+        if self.max_batch_input_tokens is None:
+            self.max_batch_input_tokens = default_step_tokens(self.device)
         self.validate()
 
     def validate(self) -> None:
@@ -290,6 +299,16 @@ class EngineConfig:
     @property
     def chunk_size(self) -> int:
         return self.prefill_chunk_size or self.max_batch_input_tokens
+
+
+def default_step_tokens(device: str) -> int:
+    """--max-batch-input-tokens when none is given: CPU_STEP_TOKENS on a CPU (`auto` without CUDA), else
+    GPU_STEP_TOKENS."""
+    if device == "auto":
+        import torch  # only here: the config module itself loads without torch
+
+        return GPU_STEP_TOKENS if torch.cuda.is_available() else CPU_STEP_TOKENS
+    return CPU_STEP_TOKENS if device == "cpu" else GPU_STEP_TOKENS
 
 
 def _device_name(name: str) -> str:

@@ -187,6 +187,25 @@ def test_several_devices_are_refused_naming_the_flag():
         from_cli(["--devices", "gpu:0,1"])
 
 
+def test_the_step_budget_defaults_by_device_to_what_performance_md_chose():
+    """--max-batch-input-tokens: the CPU default is the one docs/performance.md measured and chose, the GPU
+    default stays 2048, and a value given wins on either."""
+    import re
+    from pathlib import Path
+
+    from fw.config import CPU_STEP_TOKENS, GPU_STEP_TOKENS
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "performance.md").read_text()
+    chosen = re.search(r"CPU default of `--max-batch-input-tokens` is \*\*(\d+)\*\*", doc)
+    assert chosen, "docs/performance.md no longer states the CPU step budget"
+    assert EngineConfig(device="cpu").max_batch_input_tokens == CPU_STEP_TOKENS == int(chosen.group(1))
+    assert EngineConfig(device="cuda").max_batch_input_tokens == EngineConfig(device="gpu:1").max_batch_input_tokens
+    assert EngineConfig(device="cuda").max_batch_input_tokens == GPU_STEP_TOKENS == 2048
+    assert EngineConfig(device="cpu", max_batch_input_tokens=2048).max_batch_input_tokens == 2048
+    assert from_cli(["--device", "cpu", "--max-num-batched-tokens", "1024"]).max_batch_input_tokens == 1024
+    assert from_cli(["--device", "cpu"]).chunk_size == CPU_STEP_TOKENS
+
+
 def test_precedence_defaults_yaml_env_cli(tmp_path):
     config = tmp_path / "fw.yaml"
     config.write_text(
