@@ -71,6 +71,21 @@ def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m):
     assert (got - exact).norm() < 0.2 * (one_term - exact).norm()
 
 
+def test_rows_of_an_8bit_weight_are_its_dequantized_rows():
+    """PackedRowEmbedding (a tied Q8_0 embedding read from the head's packed blocks) gives exactly the
+    dequantized rows, in any order and at tile edges of a row count that is no multiple of 16."""
+    from fw.layers.packed_embedding import PackedRowEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    blocks = _blocks(8, 37, 96, gen)
+    embedding = PackedRowEmbedding(packed_int.pack(blocks), torch.bfloat16)
+    ids = torch.tensor([[36, 0, 15], [16, 31, 32]])
+    want = blocks.dequantize().float().bfloat16()[ids]
+    got = embedding(ids)
+    assert got.shape == (2, 3, 96) and got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, 96)
+
+
 needs_f8 = pytest.mark.skipif(not packed_int.applies("cpu", 32, fp8=True), reason="no AVX512-BF16/VBMI CPU")
 
 

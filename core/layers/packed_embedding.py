@@ -1,0 +1,59 @@
+"""An input embedding read from the rows of an 8-bit packed weight (`fw.layers.packed_int`'s layout).
+
+Why: a GGUF whose Q8_0 embedding is tied to the LM head keeps that tensor packed as the head (the head
+reads it every step); the embedding only needs the step's rows. Looking them up in the head's packed
+blocks, dequantized as they are read, leaves no dense copy of the vocabulary in memory (SmolLM2's is
+56.6 MB in bf16). The values are the dequantized embedding's exactly: d * q in fp32, rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fw.layers.packed_int import BLOCK, RECORD_BYTES, TILE, PackedWeight
+
+_QUADS = BLOCK // 4  # an 8-bit record's codes: [quad of 4 inputs][row of the tile][4 inputs]
+
+
+def gather_rows(weight: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (1-D) of an 8-bit packed weight, [len(ids), cols] in `dtype`."""
+    n, blocks = ids.numel(), weight.cols // BLOCK
+    records = weight.data.view(-1, blocks, RECORD_BYTES[8])[ids // TILE]  # [n, blocks, record]
+    row = (ids % TILE).view(n, 1, 1, 1, 1)
+    codes = records[..., : _QUADS * TILE * 4].view(torch.int8).view(n, blocks, _QUADS, TILE, 4)
+    codes = codes.gather(3, row.expand(n, blocks, _QUADS, 1, 4)).view(n, blocks, BLOCK)
+    scales = records[..., _QUADS * TILE * 4: _QUADS * TILE * 4 + 2 * TILE].contiguous().view(torch.float16)
+    scales = scales.view(n, blocks, TILE).gather(2, row.view(n, 1, 1).expand(n, blocks, 1))
+    return (codes.float() * scales.float()).view(n, weight.cols).to(dtype)
+
+
+class PackedRowEmbedding(nn.Module):
+    """`nn.Embedding`'s lookup over an 8-bit packed weight [vocab, hidden]."""
+
+    def __init__(self, weight: PackedWeight, dtype: torch.dtype):
+        super().__init__()
+        if weight.bits != 8:
+            raise ValueError(f"PackedRowEmbedding reads 8-bit packed weights, not {weight.bits}-bit")
+        self.packed = weight
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.rows, weight.cols
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = gather_rows(self.packed, input_ids.reshape(-1), self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+def embedding_from_head(model: nn.Module) -> bool:
+    """When the model's LM head is the tied embedding kept as one 8-bit packed weight of the embedding's
+    shape, its `model.embed_tokens` reads its rows there instead of holding a dense copy. Returns whether
+    it did."""
+    inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    embedding = getattr(inner, "embed_tokens", None)
+    packed = getattr(head, "packed_int", None)
+    if not isinstance(embedding, nn.Embedding) or not packed or len(packed) != 1 or packed[0].bits != 8:
+        return False
+    if (packed[0].rows, packed[0].cols) != tuple(embedding.weight.shape):
+        return False
+    inner.embed_tokens = PackedRowEmbedding(packed[0], embedding.weight.dtype)
+    return True
