@@ -206,3 +206,16 @@ def test_duplicate_request_id_is_rejected(fresh_llm):
     with pytest.raises(InvalidRequestError, match="same"):
         llm.engine.add_request("same", prompt="b", params=greedy(2))
     run_until_done(llm.engine)
+
+
+def test_a_cpu_engine_steps_within_the_cpu_default_budget(fresh_llm):
+    """Without --max-batch-input-tokens a CPU engine's steps hold at most CPU_STEP_TOKENS tokens (512, chosen
+    in docs/performance.md: at 2,048 one long prompt held every decoding stream for a whole long step)."""
+    from fw.config import CPU_STEP_TOKENS
+
+    llm = fresh_llm(max_batch_size=8)
+    assert llm.engine.loaded.device.type == "cpu"
+    assert llm.engine.scheduler.max_batch_tokens == llm.engine.scheduler.chunk_size == CPU_STEP_TOKENS == 512
+    steps = record_steps(llm)
+    llm.generate([[5 + i % 50 for i in range(300)]] * 2 + [[7] * 200] * 2, greedy(2))
+    assert sum(steps[0]) == CPU_STEP_TOKENS and max(sum(s) for s in steps) <= CPU_STEP_TOKENS  # 1,000 split
