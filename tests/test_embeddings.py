@@ -103,6 +103,31 @@ def test_token_ids_equal_text(bert_dir):
     assert_close(embed(llm, {"prompt_token_ids": ids[0]}), embed(llm, SENTENCES[0]), atol=1e-6)
 
 
+def test_padding_and_truncation_in_tokenizer_json_are_not_applied(tmp_path, monkeypatch):
+    """sentence-transformers' tokenizer.json files pad every input to a fixed length and truncate it
+    (all-MiniLM-L6-v2's: 128): transformers turns both off for a plain call, and so does fw, on the first
+    load and on the load of its recorded snapshot (padding tokens would be pooled into the vector)."""
+    from transformers import AutoTokenizer
+
+    from fw.model_loader.fast_tokenizer import FastTokenizer
+    from fw.model_loader.hf import load_tokenizer
+
+    monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "cache"))
+    model = build_bert(tmp_path / "m")
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["padding"] = {"strategy": {"Fixed": 32}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "[PAD]"}
+    spec["truncation"] = {"direction": "Right", "max_length": 6, "strategy": "LongestFirst", "stride": 0}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    expected = AutoTokenizer.from_pretrained(str(model))(SENTENCES).input_ids
+    assert max(map(len, expected)) > 6 and min(map(len, expected)) < 32
+    first, recorded = load_tokenizer(model, False), load_tokenizer(model, False)
+    assert isinstance(recorded, FastTokenizer)
+    for tokenizer in (first, recorded):
+        assert tokenizer(SENTENCES).input_ids == expected
+        assert [tokenizer.encode(s) for s in SENTENCES] == expected
+
+
 def test_without_sentence_transformers_files_bert_pools_cls_and_normalises(tmp_path):
     from transformers import AutoTokenizer, BertModel
 

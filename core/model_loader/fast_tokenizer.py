@@ -114,6 +114,10 @@ class FastTokenizer:
     is delegated to the transformers tokenizer (`transformers_tokenizer()`), loaded on first use."""
 
     def __init__(self, backend: Tokenizer, meta: dict, transformers_loader: Callable[[], Any]):
+        # A tokenizer.json may carry fixed padding and truncation (sentence-transformers' files pad to 128):
+        # transformers turns both off for a call that asks for neither, and so does fw.
+        backend.no_padding()
+        backend.no_truncation()
         self._tokenizer = backend
         self._meta = meta
         self._load_transformers = transformers_loader
