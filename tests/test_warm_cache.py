@@ -136,7 +136,9 @@ def test_check_right_after_warm_cache_reports_no_misses(warmed) -> None:
     r = warmed.after
     assert r.returncode == 0, r.stderr
     hits, misses, failed = summary(r.stdout)
-    assert (misses, failed) == (0, 0) and hits == 2 + BF16_KERNEL + PACKED_INT, r.stdout
+    # the model, its config and tokenizer records, the fused CPU ops (, the bf16 matmul, the packed-int kernels)
+    assert (misses, failed) == (0, 0) and hits == 4 + BF16_KERNEL + PACKED_INT, r.stdout
+    assert lines(r.stdout, "hit", "model records") and "tokenizer" in r.stdout, r.stdout
     assert re.search(r"^for device=cpu .*attention_backend=sdpa$", r.stdout, re.M), r.stdout
 
 
@@ -152,7 +154,8 @@ def test_force_download_fetches_the_files_again(warmed) -> None:
     r = warmed.forced
     assert r.returncode == 0, r.stderr
     assert lines(r.stdout, "built", "model files") and "downloaded" in r.stdout, r.stdout
-    assert summary(r.stdout)[1:] == (1, 0), r.stdout  # only the model files were redone
+    # only the model files were redone, and the records made from them (new files, new keys)
+    assert summary(r.stdout)[1:] == (3, 0), r.stdout
     assert any(path.startswith("/blobs/") for path in warmed.downloads_when_forced)  # the weights, from the "CDN"
 
 
@@ -257,7 +260,8 @@ def test_warm_cache_of_a_local_directory_checks_and_reports_it(model_copy, tmp_p
     out = capsys.readouterr().out
     assert lines(out, "hit", "model files") and "nothing to download" in out, out
     assert "-       C++ ops cpu_paged [cpu_paged]: nothing to prepare for these flags" in out  # sdpa chosen
-    assert summary(out) == (1, 0, 0)
+    assert summary(out) == (1, 2, 0)  # the files hit; the config and tokenizer records are made
+    assert len(lines(out, "built", "model records")) == 2, out
     assert main(["warm-cache", "--model", str(model_copy), "--check"]) == 0  # auto: cpu_paged on a CPU
     out = capsys.readouterr().out
     paged = lines(out, "miss", "C++ ops cpu_paged")
@@ -391,7 +395,8 @@ def test_plugin_and_compile_artifacts_show_in_the_report(root, model_copy, tmp_p
     assert "miss    autotuned tiles [warm_ok] tiles: would tune float32" in report
     assert "FAILED  plugin warm_broken: its fw_warm_cache_artifacts hook raised RuntimeError: cannot list" in report
     assert "hit     compiled steps [fw.compile] buckets: key abc" in report
-    assert (result.hits, result.misses, result.failed) == (2, 1, 1)  # model files + compiled steps hit
+    # model files + compiled steps hit; the tiles and the model's config and tokenizer records miss
+    assert (result.hits, result.misses, result.failed) == (2, 3, 1)
     assert report.index("model files") < report.index("autotuned") < report.index("compiled steps")
 
 

@@ -30,10 +30,17 @@ def load_hf_config(path: Path, trust_remote_code: bool, revision: str | None = N
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path}/config.json could not be read: {exc}") from None
 
-    config_file = Path(path) / "config.json"
+    record = config_record(Path(path), trust_remote_code)
+    return build() if record is None else cached_config("configs", record, build)
+
+
+def config_record(path: Path, trust_remote_code: bool) -> str | None:
+    """The key under which `load_hf_config` records a directory's config (`$FW_CACHE_DIR/configs/<key>.json`),
+    or None where it is not recorded (no config.json, remote code)."""
+    config_file = path / "config.json"
     if trust_remote_code or not config_file.is_file() or _has_remote_code(config_file):
-        return build()
-    return cached_config("configs", entry_key("configs", [config_file]), build)
+        return None
+    return entry_key("configs", [config_file])
 
 
 def _has_remote_code(config_file: Path) -> bool:
@@ -59,11 +66,17 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool, revision: str | No
                 f"or tokenizer_config.json; pass --tokenizer to use another."
             ) from None
 
+    folder = tokenizer_record(path, trust_remote_code)
+    return from_transformers() if folder is None else cached_tokenizer(folder, from_transformers)
+
+
+def tokenizer_record(path: Path | str, trust_remote_code: bool) -> Path | None:
+    """Where `load_tokenizer` records a directory's tokenizer, or None where it is not recorded (a hub id,
+    remote code)."""
     local = Path(path).expanduser()
     if trust_remote_code or not local.is_dir():
-        return from_transformers()
-    folder = entry_dir("tokenizers", entry_key("tokenizers", source_files(local)))
-    return cached_tokenizer(folder, from_transformers)
+        return None
+    return entry_dir("tokenizers", entry_key("tokenizers", source_files(local)))
 
 
 def cached_tokenizer(folder: Path, from_transformers: Callable[[], Any], convert: Callable[[], Any] | None = None):

@@ -35,9 +35,10 @@ class Contribution:
 
 def collect(context: WarmContext) -> list[Contribution]:
     from fw.warm.cpp import core_cpu_ops, core_dense_bf16, core_packed_int
-    from fw.warm.model import GgufTokenizerArtifact, ModelFilesArtifact
+    from fw.warm.model import GgufTokenizerArtifact, ModelFilesArtifact, ModelRecordsArtifact
 
     out = [Contribution("core", ModelFilesArtifact()), Contribution("core", GgufTokenizerArtifact()),
+           Contribution("core", ModelRecordsArtifact()),
            Contribution("core", core_cpu_ops()), Contribution("core", core_dense_bf16()),
            Contribution("core", core_packed_int())]
     out += _from_plugins(context)

@@ -5,6 +5,7 @@ transformers' tokenizer conversion, which fw caches once per file."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from fw.errors import ModelLoadError
 from fw.model_loader.source import HUB_PATTERNS, ModelSource, cached_snapshot, download_snapshot, local_source
@@ -84,6 +85,48 @@ class GgufTokenizerArtifact:
         hit = (cached / "tokenizer.json").is_file()
         context.memo["tokenizer"] = gguf.tokenizer()  # converts and stores it when missing
         return [WarmItem(gguf.path.name, hit, str(cached))]
+
+
+class ModelRecordsArtifact:
+    """A model directory's config and tokenizer as transformers reads them, recorded so that a start
+    reads them without importing transformers (fw.model_loader.config_snapshot, .fast_tokenizer; a
+    GGUF file's are recorded with its tokenizer conversion and the plan's config)."""
+
+    name = "model records"
+    owner = "core"
+
+    def _records(self, context: WarmContext) -> list[tuple[str, Path | None, Callable[[], object]]]:
+        from fw.model_loader.derived_cache import entry_dir
+        from fw.model_loader.fast_tokenizer import SNAPSHOT_FILE
+        from fw.model_loader.hf import config_record, load_hf_config, load_tokenizer, tokenizer_record
+
+        source, cfg = context.source, context.config
+        if source is None or source.kind != "directory":
+            return []
+        config_key = config_record(source.path, cfg.trust_remote_code)
+        tokenizer_from = cfg.tokenizer or source.path
+        tokenizer_dir = tokenizer_record(tokenizer_from, cfg.trust_remote_code)
+        return [
+            ("config", None if config_key is None else entry_dir("configs", config_key + ".json"),
+             lambda: load_hf_config(source.path, cfg.trust_remote_code, cfg.revision)),
+            ("tokenizer", None if tokenizer_dir is None else tokenizer_dir / SNAPSHOT_FILE,
+             lambda: load_tokenizer(tokenizer_from, cfg.trust_remote_code)),
+        ]
+
+    def check(self, context: WarmContext) -> list[WarmItem]:
+        return [WarmItem(what, record.is_file(), str(record)) for what, record, _ in self._records(context)
+                if record is not None]
+
+    def build(self, context: WarmContext) -> list[WarmItem]:
+        items = []
+        for what, record, load in self._records(context):
+            if record is None:
+                continue
+            hit = record.is_file()
+            load()  # records it when missing
+            items.append(WarmItem(what, hit, str(record) if record.is_file() else
+                                  f"{record.parent}: not recordable (transformers reads it at each start)"))
+        return items
 
 
 def verify_source(source: ModelSource) -> Verified:
