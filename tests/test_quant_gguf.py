@@ -186,6 +186,21 @@ def test_dequantize_at_load_gives_dense_weights_and_the_same_tokens(gguf_dir, to
         _llm(case, gguf_dir, gguf_dequantize_at_load=True, quantization="gguf")
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_a_loaded_engine_keeps_no_map_of_the_gguf_file(gguf_dir, tokenizer):
+    """The file is read during the load only: the weights are copied out and nothing the engine keeps
+    (the recorded config's lazy builder included) holds the reader's memory map, which would keep the
+    whole file resident (SmolLM2: 94 MB)."""
+    import gc
+
+    case = _case(gguf_dir, tokenizer, "q4_0_unmapped", T.Q4_0)
+    for options in ({}, {"gguf_dequantize_at_load": True}):
+        llm = _llm(case, gguf_dir, **options)
+        assert llm.engine.loaded.model_config is not None
+        gc.collect()
+        assert str(case.path) not in Path("/proc/self/maps").read_text(), options
+
+
 def test_rope_type_override(gguf_dir, tokenizer):
     """normal: q/k stored interleaved (llama.cpp's convert), un-permuted; neox: stored in rotate-half order."""
     interleaved = _case(gguf_dir, tokenizer, "rope_normal", T.Q8_0, seed=3)

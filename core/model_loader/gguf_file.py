@@ -83,7 +83,8 @@ class GGUFModel:
         """The transformers config the metadata makes, recorded once per file and read back without
         transformers on later starts (fw.model_loader.config_snapshot)."""
         key = entry_key("gguf-configs", [self.path], hf_architecture)
-        return cached_config("gguf-configs", key, lambda: self._transformers_config(hf_architecture))
+        path = self.path  # the view keeps its builder: it reopens the file, not this reader's map of it
+        return cached_config("gguf-configs", key, lambda: GGUFModel(path)._transformers_config(hf_architecture))
 
     def _transformers_config(self, hf_architecture: str):
         """A transformers config built from the metadata (only the keys it needs)."""
