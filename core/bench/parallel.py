@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-VARIANTS = ("tp1", "tp2", "dp2")
+VARIANTS = ("tp1", "tp1_1thread", "tp2", "dp2")
 
 
 def _drive(engine, prompts: list[list[int]], output_len: int) -> float:
@@ -36,6 +36,27 @@ def _drive(engine, prompts: list[list[int]], output_len: int) -> float:
     return time.perf_counter() - start
 
 
+def _threads(engine, count: int, governed: bool) -> None:
+    """Step `engine` with `count` threads; `governed`: as many as its ThreadGovernor allows now (fewer while
+    other processes hold cores), the way it runs when serving."""
+    import torch
+
+    governor = getattr(getattr(engine, "runner", None), "governor", None)
+    if governor is not None:
+        governor.max_threads = count if governed else 1
+        governor.threads = governor.applied = min(governor.threads, count) if governed else 1
+        count = governor.applied
+    torch.set_num_threads(count)
+
+
+def footprint(engine) -> dict:
+    """This process's share of `engine`: its weight bytes and KV-cache bytes per page (over all layers)."""
+    engine = getattr(engine, "local", engine)  # a DataParallelEngine: replica 0
+    weights = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+    kv = sum(layer.kv_cache.numel() * layer.kv_cache.element_size() for layer in engine.runner.layers)
+    return {"weight_bytes": weights, "kv_bytes_per_page": kv // engine.blocks.num_blocks}
+
+
 def run(model: str, batch_sizes: list[int], rounds: int, input_len: int, output_len: int, options: dict) -> dict:
     import torch
 
@@ -46,22 +67,26 @@ def run(model: str, batch_sizes: list[int], rounds: int, input_len: int, output_
     from fw.engine.factory import create_engine
 
     config = EngineConfig(model=model, **options)
-    engines = {"tp1": LLMEngine(config), "tp2": LLMEngine(dataclasses.replace(config, tensor_parallel_size=2)),
+    one = LLMEngine(config)
+    engines = {"tp1": one, "tp1_1thread": one, "tp2": LLMEngine(dataclasses.replace(config, tensor_parallel_size=2)),
                "dp2": DataParallelEngine.start(dataclasses.replace(config, data_parallel_size=2), create_engine)}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = {"tp1": cores, "tp2": max(1, cores // 2), "dp2": max(1, cores // 2)}  # as each runs when alone
+    # as each runs when alone; tp1_1thread: the same engine on one thread, which a busy neighbour cannot stall
+    # at torch's per-op barrier (DESIGN.md: 2 threads on 2 shared cores fell from 82 to 1 tok/s)
+    threads = {"tp1": cores, "tp1_1thread": 1, "tp2": max(1, cores // 2), "dp2": max(1, cores // 2)}
+    sizes = {name: footprint(engine) for name, engine in engines.items()}
     rng = random.Random(0)
     prompts = [exact_length_ids(engines["tp1"].tokenizer, input_len, rng) for _ in range(max(batch_sizes))]
     seconds: dict[tuple[str, int], list[float]] = {}
     try:
         for batch in batch_sizes:
             for name, engine in engines.items():  # warm-up: first steps, page allocation
-                torch.set_num_threads(threads[name])
+                _threads(engine, threads[name], name == "tp1")
                 _drive(engine, prompts[:batch], 4)
         for _ in range(rounds):
             for batch in batch_sizes:
                 for name, engine in engines.items():
-                    torch.set_num_threads(threads[name])
+                    _threads(engine, threads[name], name == "tp1")
                     seconds.setdefault((name, batch), []).append(_drive(engine, prompts[:batch], output_len))
     finally:
         engines["tp2"].cluster.close()
@@ -74,7 +99,8 @@ def run(model: str, batch_sizes: list[int], rounds: int, input_len: int, output_
             row[name] = {"seconds": median, "tok_s": batch * output_len / median,
                          "all_seconds": seconds[(name, batch)]}
         rows.append(row)
-    return {"model": model, "input_len": input_len, "output_len": output_len, "rounds": rounds, "rows": rows}
+    return {"model": model, "input_len": input_len, "output_len": output_len, "rounds": rounds, "rows": rows,
+            "per_process": sizes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = "  ".join(f"{name} {row[name]['tok_s']:8.1f} tok/s ({row[name]['seconds'] * 1e3:7.1f} ms)"
                           for name in VARIANTS)
         print(f"batch {row['batch']:4d}: {cells}")
+    for name, size in report["per_process"].items():
+        print(f"{name}: {size['weight_bytes'] / 1e6:.1f} MB of weights and {size['kv_bytes_per_page'] / 1024:.0f} KiB "
+              f"of KV cache per page in rank 0 / replica 0")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=1)
