@@ -29,7 +29,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 @dataclass(frozen=True)
 class ProposerContext:
     """What a proposer is built with. `engine_config` (an `fw.config.EngineConfig`) and `plugins` (the
-    engine's plugin manager, through which a draft-model proposer would load its model) are provisional:
+    engine's plugin manager, through which the draft_model proposer loads its model) are provisional:
     their attributes are not part of the stable plugin API."""
 
     vocab_size: int
