@@ -31,9 +31,8 @@ def _opt(help: str, **extra: Any) -> dict:
     return {"help": help, **extra}
 
 
-# The default step budget by device. On a CPU a step of 2,048 prompt tokens held every decoding stream for
-# its whole prefill; 512 cut the streams' worst gap about 3x for about 8% more prefill time
-# (docs/performance.md, "Prefill beside decode on CPU").
+# The default step budget. On a CPU a step of 2,048 prompt tokens held every decoding stream for its whole
+# prefill; 512 cut that stall at the same throughput (docs/performance.md, "Prefill beside decode on CPU").
 GPU_STEP_TOKENS = 2048
 CPU_STEP_TOKENS = 512
 
@@ -114,8 +113,9 @@ class EngineConfig:
         "Most sequences in one engine step.",
         aliases=(("--max-num-seqs", "vLLM"), ("--max-running-requests", "SGLang"))))
     max_batch_input_tokens: int | None = field(default=None, metadata=_opt(
-        f"Token budget of one engine step (decode tokens + prefill chunks); default: {GPU_STEP_TOKENS} on GPUs, "
-        f"{CPU_STEP_TOKENS} on CPUs, where a long prompt's step holds every running stream for its whole prefill.",
+        f"Token budget of one engine step (decode tokens + prefill chunks); default: {GPU_STEP_TOKENS} on GPUs "
+        f"and for embedding models, {CPU_STEP_TOKENS} for generation on CPUs, where a long prompt's step holds "
+        "every running stream for its whole prefill.",
         aliases=(("--max-num-batched-tokens", "vLLM"), ("--max-batch-prefill-tokens", "TGI"))))
     prefill_chunk_size: int | None = field(default=None, metadata=_opt(
         "Longest prefill chunk of one sequence in one step; default: --max-batch-input-tokens."))
@@ -214,8 +214,6 @@ class EngineConfig:
         if self.lora_modules and not self.enable_lora:
             self.enable_lora = True  # naming adapters to load turns LoRA on
         self.device = _device_name(self.device)
-        if self.max_batch_input_tokens is None:
-            self.max_batch_input_tokens = default_step_tokens(self.device)
         self.validate()
 
     def validate(self) -> None:
@@ -223,7 +221,7 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-page-size must be positive, got {self.kv_cache_page_size}")
         if self.max_batch_size <= 0:
             raise ConfigError(f"--max-batch-size must be positive, got {self.max_batch_size}")
-        if self.max_batch_input_tokens <= 0:
+        if self.max_batch_input_tokens is not None and self.max_batch_input_tokens <= 0:
             raise ConfigError(f"--max-batch-input-tokens must be positive, got {self.max_batch_input_tokens}")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size <= 0:
             raise ConfigError(f"--prefill-chunk-size must be positive, got {self.prefill_chunk_size}")
@@ -297,13 +295,21 @@ class EngineConfig:
                 raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(self, name)}")
 
     @property
+    def step_tokens(self) -> int:
+        """The step's token budget: --max-batch-input-tokens, else the default for the device and task."""
+        return self.max_batch_input_tokens or default_step_tokens(self.device, self.task)
+
+    @property
     def chunk_size(self) -> int:
-        return self.prefill_chunk_size or self.max_batch_input_tokens
+        return self.prefill_chunk_size or self.step_tokens
 
 
-def default_step_tokens(device: str) -> int:
-    """--max-batch-input-tokens when none is given: CPU_STEP_TOKENS on a CPU (`auto` without CUDA), else
-    GPU_STEP_TOKENS."""
+def default_step_tokens(device: str, task: str = "auto") -> int:
+    """--max-batch-input-tokens when none is given: CPU_STEP_TOKENS for generation on a CPU (`auto` without
+    CUDA), else GPU_STEP_TOKENS. An encoder's step (task embed) has no decoding streams to hold up, and
+    larger steps embed faster there (docs/performance.md)."""
+    if task == "embed":
+        return GPU_STEP_TOKENS
     if device == "auto":
         import torch  # only here: the config module itself loads without torch
 

@@ -188,8 +188,8 @@ def test_several_devices_are_refused_naming_the_flag():
 
 
 def test_the_step_budget_defaults_by_device_to_what_performance_md_chose():
-    """--max-batch-input-tokens: the CPU default is the one docs/performance.md measured and chose, the GPU
-    default stays 2048, and a value given wins on either."""
+    """--max-batch-input-tokens: the CPU default for generation is the one docs/performance.md measured and
+    chose; GPUs and embedding models keep 2048; a value given wins on either."""
     import re
     from pathlib import Path
 
@@ -198,11 +198,13 @@ def test_the_step_budget_defaults_by_device_to_what_performance_md_chose():
     doc = (Path(__file__).resolve().parent.parent / "docs" / "performance.md").read_text()
     chosen = re.search(r"CPU default of `--max-batch-input-tokens` is \*\*(\d+)\*\*", doc)
     assert chosen, "docs/performance.md no longer states the CPU step budget"
-    assert EngineConfig(device="cpu").max_batch_input_tokens == CPU_STEP_TOKENS == int(chosen.group(1))
-    assert EngineConfig(device="cuda").max_batch_input_tokens == EngineConfig(device="gpu:1").max_batch_input_tokens
-    assert EngineConfig(device="cuda").max_batch_input_tokens == GPU_STEP_TOKENS == 2048
-    assert EngineConfig(device="cpu", max_batch_input_tokens=2048).max_batch_input_tokens == 2048
-    assert from_cli(["--device", "cpu", "--max-num-batched-tokens", "1024"]).max_batch_input_tokens == 1024
+    assert EngineConfig(device="cpu").step_tokens == CPU_STEP_TOKENS == int(chosen.group(1))
+    assert EngineConfig(device="cpu", task="embed").step_tokens == GPU_STEP_TOKENS
+    assert EngineConfig(device="cuda").step_tokens == EngineConfig(device="gpu:1").step_tokens == GPU_STEP_TOKENS
+    assert GPU_STEP_TOKENS == 2048
+    assert EngineConfig(device="cpu", max_batch_input_tokens=2048).step_tokens == 2048
+    assert EngineConfig(device="cpu", task="embed", max_batch_input_tokens=300).step_tokens == 300
+    assert from_cli(["--device", "cpu", "--max-num-batched-tokens", "1024"]).step_tokens == 1024
     assert from_cli(["--device", "cpu"]).chunk_size == CPU_STEP_TOKENS
 
 

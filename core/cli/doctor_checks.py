@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fw.config import EngineConfig, flag_name
+from fw.config import EngineConfig, default_step_tokens, flag_name
 from fw.errors import FwError
 from fw.plan.record import SELECTIONS
 from fw.plugins.manager import PluginManager
@@ -311,8 +311,13 @@ class Diagnosis:
 
     def _defaults(self) -> None:
         cfg = self.config
+        step = cfg.max_batch_input_tokens or default_step_tokens(cfg.device, self.resolved.get("task", {}).get(
+            "value", cfg.task))
+        if cfg.max_batch_input_tokens is None:
+            self.resolve("max_batch_input_tokens", step, "fw",
+                         "unset: 512 for generation on a CPU, 2048 on a GPU or for an embedding model")
         if cfg.prefill_chunk_size is None:
-            self.resolve("prefill_chunk_size", cfg.max_batch_input_tokens, "fw",
+            self.resolve("prefill_chunk_size", step, "fw",
                          "unset: the whole step budget (--max-batch-input-tokens)")
         if cfg.num_threads is None:
             import torch

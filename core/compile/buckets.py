@@ -69,7 +69,7 @@ class StepBuckets:
     def from_config(cls, config) -> "StepBuckets":
         """Buckets for an EngineConfig: unset bounds default to 1 and the scheduler's limits."""
         scheme = config.bucketing
-        tokens_max = config.bucket_tokens_max or config.max_batch_input_tokens
+        tokens_max = config.bucket_tokens_max or config.step_tokens
         batch_max = config.bucket_batch_max or config.max_batch_size
         tokens = bucket_range(scheme, config.bucket_tokens_min or 1, config.bucket_tokens_step or DEFAULT_TOKENS_STEP,
                               tokens_max)

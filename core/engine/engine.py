@@ -89,7 +89,7 @@ class LLMEngine:
         self.lora = self._start_lora(config, loaded)
         if loaded.device.type == "cpu":
             release_load_memory()
-        self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_batch_input_tokens, config.chunk_size)
+        self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.step_tokens, config.chunk_size)
         self.scheduler.max_loras = config.max_loras if self.lora is not None else None  # adapters per batch
         self.sampler = SamplerPipeline(self.plugins.registry("sampler"), config.sampling_backend)
         self.grammar = GrammarService(self.plugins.registry("grammar_backend"),
@@ -142,7 +142,7 @@ class LLMEngine:
         """A generous bound on one step's temporaries: hidden/MLP activations and sampled logits."""
         cfg, size = self.loaded.model_config, torch.tensor([], dtype=self.loaded.dtype).element_size()
         inter = cfg.intermediate_size or 4 * cfg.hidden_size
-        tokens = self.config.max_batch_input_tokens
+        tokens = self.config.step_tokens
         return tokens * (6 * cfg.hidden_size + 3 * inter) * size + self.config.max_batch_size * cfg.vocab_size * 12
 
     # -- requests ------------------------------------------------------------------------

@@ -135,7 +135,7 @@ class EncoderEngine:
         tokens = 0
         while self.waiting and len(batch) < self.config.max_batch_size:
             n = len(self.waiting[0].prompt_token_ids)
-            if batch and tokens + n > self.config.max_batch_input_tokens:
+            if batch and tokens + n > self.config.step_tokens:
                 break
             batch.append(self.waiting.popleft())
             tokens += n

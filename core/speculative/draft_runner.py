@@ -98,7 +98,7 @@ class DraftRunner:
         self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, self.page_size,
                                   loaded.dtype, loaded.device)
         self.runner.governor = None  # the target's runner fits the process's threads; one governor is enough
-        self.chunk_tokens = target.max_batch_input_tokens
+        self.chunk_tokens = target.step_tokens
         self.tracks: dict[int, _Track] = {}
         self._calls = itertools.count()
         logger.info("draft model %s (%s): %d KV pages of %d tokens", model, loaded.dtype, num_blocks, self.page_size)
