@@ -215,7 +215,7 @@ class NoSpeculationBaseline:
     (`SamplingParams.speculative=False`), so the two sides share the model, the process and the machine's
     drift pass by pass (docs/speculative.md)."""
 
-    name = "fw without speculation"
+    name = "no-speculation"  # as the flag names it (and it fits the table's column)
     shares_engine = True  # its prompts must differ from fw's, or fw's prefix cache would serve its prefills
 
     def __init__(self, llm):
