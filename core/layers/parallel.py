@@ -40,35 +40,51 @@ def _split(total: int, ranks: int, what: str, prefix: str) -> int:
     return total // ranks
 
 
+def deal(units: int, ranks: int, rank: int) -> tuple[int, int]:
+    """(first unit, count) of `rank` when `units` (say, KV-head groups) are dealt out as evenly as they go,
+    the extra ones to the lowest ranks: rank 0 holds the most, so the KV pages it can afford (and decides
+    for every rank) fit every other rank's budget too."""
+    base, extra = divmod(units, ranks)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
 class ColumnParallelLinear(Linear):
     """Each rank holds rows [rank*n, (rank+1)*n) of every fused output shard (so a fused q/k/v
-    keeps q, k and v contiguous on each rank). `output_sizes` are the whole model's; the layer's
-    own `output_sizes` are its rank's."""
+    keeps q, k and v contiguous on each rank), or the rows `slices` gives per shard ((start,
+    length), for uneven splits: attention by KV group). `output_sizes` are the whole model's; the
+    layer's own `output_sizes` are its rank's."""
 
-    def __init__(self, input_size: int, output_sizes: int | list[int], ctx, prefix: str, bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: int | list[int], ctx, prefix: str, bias: bool = False,
+                 slices: list[tuple[int, int]] | None = None):
         tp = tensor_parallel_of(ctx)
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
-        local = [_split(s, tp.size, "output features", prefix) for s in sizes]
-        super().__init__(input_size, local, ctx, prefix, bias)
-        self.tp = tp
+        if slices is None:
+            local = [_split(s, tp.size, "output features", prefix) for s in sizes]
+            slices = [(tp.rank * n, n) for n in local]
+        super().__init__(input_size, [length for _, length in slices], ctx, prefix, bias)
+        self.tp, self.slices = tp, slices
         _check_dense(self)
 
     def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if self.tp.size > 1:
             size = self.output_size if shard is None else self.output_sizes[shard]
-            start = self.tp.rank * size
+            start = self.tp.rank * size if shard is None else self.slices[shard][0]
             tensor = tensor.narrow_rows(start, size) if isinstance(tensor, GGUFWeight) else tensor.narrow(0, start, size)
         super().load_weight(param_name, tensor, shard)
 
 
 class RowParallelLinear(Linear):
-    """Each rank holds input columns [rank*n, (rank+1)*n) and the output is summed over the ranks.
-    `input_size` is the whole model's."""
+    """Each rank holds input columns [rank*n, (rank+1)*n), or `input_slice` (start, length), and the
+    output is summed over the ranks. `input_size` is the whole model's."""
 
-    def __init__(self, input_size: int, output_size: int, ctx, prefix: str, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, ctx, prefix: str, bias: bool = False,
+                 input_slice: tuple[int, int] | None = None):
         tp = tensor_parallel_of(ctx)
-        super().__init__(_split(input_size, tp.size, "input features", prefix), output_size, ctx, prefix, bias)
-        self.tp = tp
+        if input_slice is None:
+            n = _split(input_size, tp.size, "input features", prefix)
+            input_slice = (tp.rank * n, n)
+        super().__init__(input_slice[1], output_size, ctx, prefix, bias)
+        self.tp, self.input_start = tp, input_slice[0]
         _check_dense(self)
 
     def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
@@ -76,10 +92,10 @@ class RowParallelLinear(Linear):
             if param_name == "bias":  # summed over ranks: only rank 0 adds it
                 tensor = tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
             elif isinstance(tensor, GGUFWeight):  # packed: cut between blocks
-                tensor = tensor.narrow_cols(self.tp.rank * self.input_size, self.input_size,
+                tensor = tensor.narrow_cols(self.input_start, self.input_size,
                                             f"--tensor-parallel-size {self.tp.size}: {self.prefix}")
             else:
-                tensor = tensor.narrow(1, self.tp.rank * self.input_size, self.input_size)
+                tensor = tensor.narrow(1, self.input_start, self.input_size)
         super().load_weight(param_name, tensor, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
