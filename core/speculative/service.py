@@ -32,9 +32,9 @@ logger = logging.getLogger("fw.speculative")
 
 PAUSE_MIN, PAUSE_MAX = 4, 64  # decode steps a sequence with poor acceptance stops drafting for
 EMA_WEIGHT = 0.5  # weight of the newest draft in a sequence's acceptance average
-# adaptive k: a verify pass's cost per draft token, in one-token decode steps (SmolLM2 on this CPU: a
-# 5-token verify pass took 1.44 decodes; docs/speculative.md), how fast old drafts are forgotten, and
-# what a new sequence is assumed to accept (3 draft tokens of 4 tried)
+# adaptive k: a verify pass's cost per draft token, in one-token decode steps (measured in
+# docs/speculative.md), how fast old drafts are forgotten, and what a new sequence is assumed to accept
+# (3 draft tokens of 4 tried)
 DRAFT_TOKEN_COST = 0.1
 ADAPT_DECAY = 0.8
 PRIOR_ACCEPTED, PRIOR_TRIED = 3.0, 4.0
