@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.errors import ModelLoadError
-from fw.layers import packed_int
+from fw.layers import packed_int, packed_record
 from fw.layers.dense import dense_linear, dense_logits, pack_dense_weight
 from fw.layers.gguf_weight import GGUFWeight
 from fw.layers.linear import Linear, LinearMethod
@@ -286,14 +286,19 @@ class GGUFLinearMethod(LinearMethod):
         if not (all(g.kind in _PACKED_BLOCKS for g in layer.gguf_groups)
                 and packed_int.applies(layer.device, layer.input_size)):
             return None
-        packed = []
-        for g in layer.gguf_groups:
-            data = layer.weight[g.offset:g.offset + g.rows * g.row_bytes].view(-1, BLOCK_TYPES[g.kind].type_size)
-            blocks = _PACKED_BLOCKS[g.kind](data)
-            packed.append(packed_int.pack(packed_int.QuantBlocks(
-                blocks.bits, blocks.codes.view(g.rows, -1), blocks.scale.view(g.rows, -1),
-                None if blocks.offset is None else blocks.offset.view(g.rows, -1))))
-        flat, packed = packed_int.concat(packed)
+        def repack() -> tuple[torch.Tensor, list[packed_int.PackedWeight]]:
+            packed = []
+            for g in layer.gguf_groups:
+                data = layer.weight[g.offset:g.offset + g.rows * g.row_bytes].view(-1, BLOCK_TYPES[g.kind].type_size)
+                blocks = _PACKED_BLOCKS[g.kind](data)
+                packed.append(packed_int.pack(packed_int.QuantBlocks(
+                    blocks.bits, blocks.codes.view(g.rows, -1), blocks.scale.view(g.rows, -1),
+                    None if blocks.offset is None else blocks.offset.view(g.rows, -1))))
+            return packed_int.concat(packed)
+
+        groups = repr([(int(g.kind), g.rows, g.offset, g.row_bytes) for g in layer.gguf_groups])
+        # the same blocks repack the same way: a warm load reads the record (fw.layers.packed_record)
+        flat, packed = packed_record.load_or_pack(layer.weight.data, groups, repack, code=(__file__,))
         layer.weight = nn.Parameter(flat, requires_grad=False)  # the groups' weights are views of it
         return packed
 
