@@ -313,3 +313,14 @@ def test_draft_pages_evict_the_least_recently_drafted(gqa_dir):
     index, _, _ = runner.start([request(2, 9), request(4, 20)])  # 6 pages: would need sequence 2's too
     assert index == [0] and set(runner.tracks) == {2}  # 3 went for 4, which still did not fit
     assert len(runner.tracks[2].seq.block_table) == 3
+
+
+def test_seeded_sampled_requests_are_reproducible_run_to_run(gqa_dir, mha_dir):
+    """Sampled drafts come with q; the draft's draws and the rule's come from the request's seed."""
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=24, ignore_eos=True) for s in (1, 2, 3, 4)]
+    runs = []
+    for _ in range(2):
+        llm = make_llm(gqa_dir, speculative_config=spec(mha_dir))
+        runs.append(token_ids(llm.generate(PROMPTS, params)))
+        assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    assert runs[0] == runs[1]
