@@ -79,6 +79,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
                            {"method": "ngram", "num_speculative_tokens": 3}),
     "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
+    "data_parallel_size": (["--data-parallel-size", "2"], 2),
     "nnodes": (["--nnodes", "2"], 2),
     "node_rank": (["--node-rank", "1"], 1),
     "dist_init_addr": (["--dist-init-addr", "10.0.0.1:29500"], "10.0.0.1:29500"),

@@ -145,7 +145,8 @@ def _restore(snapshot: dict, changed: dict) -> ConfigView:
 
 def cached_config(kind: str, key: str, build: Callable[[], Any]) -> ConfigView:
     """The ConfigView recorded under `kind`/`key` in fw's cache, else `build()` (a transformers config)
-    recorded there now. `build` also serves `transformers_config()` later."""
+    recorded there now. `build` also serves `transformers_config()` later. A config class from outside
+    transformers (an architecture plugin's) is returned as built and never recorded."""
     path = entry_dir(kind, key + ".json")
     try:
         snapshot = json.loads(path.read_text())
@@ -154,6 +155,8 @@ def cached_config(kind: str, key: str, build: Callable[[], Any]) -> ConfigView:
     except (OSError, json.JSONDecodeError):
         pass
     real = build()
+    if not type(real).__module__.startswith("transformers."):
+        return real  # a plugin's own config class (its properties and methods) is not recorded
     snapshot = record(real)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -5,7 +5,7 @@ target), gives it a paged KV cache and a model runner of its own, and keeps one 
 sequence in step with what the target accepted: at each call, the draft sequence's tokens are cut back
 to the longest prefix the target's tokens share with them (what the draft proposed and the target
 rejected goes), the pages past it are given back, and the draft computes what it has not seen yet. The
-`draft_model` proposer (fw.backends.speculative.draft_model) drafts with it; an EAGLE-style head could
+built-in `draft_model` proposer drafts with it; an EAGLE-style head could
 too. Provisional: not part of the stable plugin API.
 
 A draft must share the target's tokenizer (same tokens, same ids), or its token ids would mean other
