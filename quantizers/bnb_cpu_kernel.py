@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +34,11 @@ def available(bnb: Any) -> bool:
     return hasattr(F, "_convert_weight_packed_for_cpu") and bool(F.has_avx512bf16())
 
 
+@functools.cache
 def entry_point(bnb: Any, quant_type: str) -> Any | None:
     """The kernel's C function as a ctypes function taking plain ints, or None when this build lacks it
     (then `F.gemv_4bit` is called instead). A prototype of fw's own keeps the library's function object,
-    which its Python wrapper calls, untouched."""
+    which its Python wrapper calls, untouched. One per quant type, shared by every layer."""
     from bitsandbytes.cextension import lib
 
     native = getattr(getattr(lib, "_lib", None), _ENTRY_POINTS[quant_type], None)
