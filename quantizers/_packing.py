@@ -8,6 +8,7 @@ interleaved order of the values inside one int32."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 import torch
@@ -41,6 +42,22 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
     new_shape = list(packed.shape)
     new_shape[dim] *= per_word
     return values.reshape(new_shape)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The inverse of `unpack_int32` in the natural order: values (< 2**bits) packed along `dim`, whose size
+    must be a multiple of 32 // bits."""
+    per_word = 32 // bits
+    dim = dim % values.dim()
+    if values.shape[dim] % per_word:
+        raise ValueError(f"pack_int32: dimension {dim} has {values.shape[dim]} values, not a multiple of {per_word}")
+    shape = list(values.shape)
+    shape[dim:dim + 1] = [shape[dim] // per_word, per_word]
+    grouped = values.to(torch.int32).reshape(shape)
+    packed = torch.zeros(shape[:dim + 1] + shape[dim + 2:], dtype=torch.int32, device=values.device)
+    for j in range(per_word):
+        packed |= grouped.select(dim + 1, j) << (bits * j)
+    return packed
 
 
 def check_bits(method: str, bits: int, allowed: tuple[int, ...]) -> int:
@@ -168,3 +185,13 @@ def repack_for_kernels(layer, q: torch.Tensor, zeros: torch.Tensor, scales: torc
     layer.qweight = torch.nn.Parameter(weight.data, requires_grad=False)  # the loader counts it as loaded
     layer.packed_int = [weight]
     return True
+
+
+W4A16_MAX_ROWS = 256  # rows up to which CUDA 4-bit layers run gptq_triton (measured 3.9x the dequantize-then-
+# GEMM path at 256 rows on an H200; larger inputs, not measured, keep that path)
+
+
+def runs_w4a16_triton(x: torch.Tensor, rows: int) -> bool:
+    """Whether a 4-bit product with contiguous groups runs gptq_triton's W4A16 kernel: CUDA inputs of up to
+    W4A16_MAX_ROWS rows where triton is installed. The gptq and awq methods both decide here."""
+    return x.is_cuda and rows <= W4A16_MAX_ROWS and importlib.util.find_spec("triton") is not None

@@ -11,8 +11,11 @@ quantized linear with in_features I, out_features O and G = I / group_size group
 - `scales` float [G, O].
 - W[o, i] = scales[i // group_size, o] * (q[i, o] - zero[i // group_size, o]).
 
-Weights stay packed in memory; each matmul dequantizes a block of output columns
-at a time. Fused fw layers concatenate each projection's packed columns. The LM
+Weights stay packed in memory. On CPU they move onto fw's packed-int kernels at load;
+on CUDA they are repacked once at load into GPTQ's layout (codes packed along the
+input, zeros in natural order: the same bytes) so that decode-sized products run
+gptq_triton's W4A16 kernel; otherwise each matmul dequantizes a block of output
+columns at a time. Fused fw layers concatenate each projection's packed columns. The LM
 head stays in float (AWQ never quantizes it); `modules_to_not_convert` is honoured.
 """
 
@@ -27,8 +30,8 @@ from fw.errors import ConfigError
 from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod, packed_int
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers._packing import (AWQ_REVERSE_ORDER, GROUPED_MAX_ROWS, check_bits, column_blocks, copy_checked,
-                                    grouped_matmul, left_unquantized, repack_for_kernels, shard_columns,
-                                    unpack_int32)
+                                    grouped_matmul, left_unquantized, pack_int32, repack_for_kernels,
+                                    runs_w4a16_triton, shard_columns, unpack_int32)
 
 FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
@@ -89,6 +92,7 @@ class AWQLinearMethod(LinearMethod):
         layer.qzeros = nn.Parameter(torch.zeros(groups, cols, dtype=torch.int32), requires_grad=False)
         layer.scales = nn.Parameter(torch.zeros(groups, layer.output_size, dtype=torch.float16),
                                     requires_grad=False)
+        layer.awq_gptq_layout = False  # set by to_gptq_layout at load on CUDA
 
     def load_weight(self, layer: Linear, param_name: str, tensor: torch.Tensor, shard: int | None) -> None:
         what = f"{layer.prefix}.{param_name}" + ("" if shard is None else f"[shard {shard}]")
@@ -105,15 +109,23 @@ class AWQLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         layer.packed_int = None
+        layer.awq_gptq_layout = False
         q, z, s = self.codes(layer, 0, layer.output_size)
-        repack_for_kernels(layer, q, z, s, self.group_size(layer), drop=("qzeros", "scales"))
+        if repack_for_kernels(layer, q, z, s, self.group_size(layer), drop=("qzeros", "scales")):
+            return
+        if layer.device.type == "cuda" and layer.input_size % PACK == 0:
+            to_gptq_layout(layer, q, z)
 
     def codes(self, layer: Linear, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Output columns start:end (multiples of 8) as (int codes [in, n], float32 zeros [G, n],
         float32 scales [G, n]), in natural column order."""
         cols = slice(start // PACK, end // PACK)
-        q = unpack_int32(layer.qweight[:, cols], 4, dim=1, order=AWQ_REVERSE_ORDER)
-        z = unpack_int32(layer.qzeros[:, cols], 4, dim=1, order=AWQ_REVERSE_ORDER).float()
+        if layer.awq_gptq_layout:
+            q = unpack_int32(layer.qweight[:, start:end], 4, dim=0)
+            z = unpack_int32(layer.qzeros[:, cols], 4, dim=1).float()
+        else:
+            q = unpack_int32(layer.qweight[:, cols], 4, dim=1, order=AWQ_REVERSE_ORDER)
+            z = unpack_int32(layer.qzeros[:, cols], 4, dim=1, order=AWQ_REVERSE_ORDER).float()
         return q, z, layer.scales[:, start:end].float()
 
     def dequantize(self, layer: Linear, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
@@ -125,6 +137,13 @@ class AWQLinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_int is not None:
             return packed_int.layer_forward(layer, x)
+        flat = x.reshape(-1, x.shape[-1])
+        if layer.awq_gptq_layout and runs_w4a16_triton(x, flat.shape[0]):
+            from fw.quantizers.gptq_triton import w4a16_matmul  # imports triton: on the first CUDA call
+
+            out = w4a16_matmul(flat, layer.qweight, layer.qzeros, layer.scales, self.group_size(layer), 0)
+            out = out.view(*x.shape[:-1], layer.output_size)
+            return out if layer.bias is None else out + layer.bias.to(out.dtype)
         out = x.new_empty(*x.shape[:-1], layer.output_size)
         grouped = x.dim() == 2 and x.shape[0] <= GROUPED_MAX_ROWS
         for a, b in column_blocks(layer.input_size, layer.output_size, PACK):
@@ -137,6 +156,15 @@ class AWQLinearMethod(LinearMethod):
         return out
 
 
+def to_gptq_layout(layer: Linear, q: torch.Tensor, zeros: torch.Tensor) -> None:
+    """Repacks an AWQ layer's codes [in, out] and zeros [G, out] (natural column order) into GPTQ's layout,
+    which gptq_triton's kernel reads: qweight [in / 8, out], eight codes along the input per int32;
+    qzeros [G, out / 8] in natural order. The same number of bytes; `codes` reads either layout."""
+    layer.qweight = nn.Parameter(pack_int32(q, 4, dim=0), requires_grad=False)
+    layer.qzeros = nn.Parameter(pack_int32(zeros.to(torch.int32), 4, dim=1), requires_grad=False)
+    layer.awq_gptq_layout = True
+
+
 @hookimpl
 def fw_register_quantization_methods(register) -> None:
     register(QuantizationMethodSpec(
@@ -147,6 +175,7 @@ def fw_register_quantization_methods(register) -> None:
         verified_on=(Verified("cpu", by="fw's CPU tests"),  # on CUDA: tests/test_gpu_quantized.py
                      Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")),
         description="AWQ checkpoints, 4-bit GEMM layout (qweight/qzeros/scales, interleaved packing order), "
-                    "asymmetric zeros, any group size; weights kept packed, dequantized block by block per "
-                    "matmul (plain torch)",
+                    "asymmetric zeros, any group size; weights kept packed: fw's packed-int kernels on CPU, "
+                    "gptq_triton's W4A16 kernel on CUDA at decode and small-batch sizes, else dequantized "
+                    "block by block per matmul",
     ))

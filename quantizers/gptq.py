@@ -24,7 +24,6 @@ permutations need not agree. The LM head stays in float unless the config says
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -35,7 +34,8 @@ from fw.errors import ConfigError
 from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod, packed_int
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers._packing import (GROUPED_MAX_ROWS, check_bits, column_blocks, copy_checked, grouped_matmul,
-                                    left_unquantized, repack_for_kernels, shard_columns, unpack_int32)
+                                    left_unquantized, repack_for_kernels, runs_w4a16_triton, shard_columns,
+                                    unpack_int32)
 
 FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
@@ -171,8 +171,7 @@ class GPTQLinearMethod(LinearMethod):
         if layer.packed_int is not None:
             return packed_int.layer_forward(layer, x)
         flat = x.reshape(-1, x.shape[-1])
-        if (x.is_cuda and self.config.bits == 4 and layer.gptq_contiguous and flat.shape[0] <= W4A16_MAX_ROWS
-                and _triton_available()):
+        if self.config.bits == 4 and layer.gptq_contiguous and runs_w4a16_triton(x, flat.shape[0]):
             from fw.quantizers.gptq_triton import w4a16_matmul  # imports triton: on the first CUDA call
 
             out = w4a16_matmul(flat, layer.qweight, layer.qzeros, layer.scales, layer.gptq_group_size,
@@ -200,15 +199,6 @@ class GPTQLinearMethod(LinearMethod):
         return out
 
 
-W4A16_MAX_ROWS = 256  # rows up to which CUDA 4-bit layers run gptq_triton (measured 3.9x the dequantize-then-
-# GEMM path at 256 rows on an H200; larger inputs, not measured, keep that path)
-
-
-def _triton_available() -> bool:
-    """CUDA 4-bit layers with contiguous groups run gptq_triton's W4A16 kernel where triton is installed."""
-    return importlib.util.find_spec("triton") is not None
-
-
 @hookimpl
 def fw_register_quantization_methods(register) -> None:
     register(QuantizationMethodSpec(
@@ -219,6 +209,7 @@ def fw_register_quantization_methods(register) -> None:
         verified_on=(Verified("cpu", by="fw's CPU tests"),  # on CUDA: tests/test_gpu_quantized.py
                      Verified("cuda", (9, 0), "NVIDIA H200", "2026-11-25", "scripts/gpu_acceptance.sh")),
         description="GPTQ checkpoints: 2/4/8-bit qweight/qzeros/scales/g_idx, any group size (-1 too), "
-                    "desc_act, sym and asym, v1 and v2 zero conventions; weights kept packed, dequantized "
-                    "block by block per matmul (plain torch)",
+                    "desc_act, sym and asym, v1 and v2 zero conventions; weights kept packed: fw's packed-int "
+                    "kernels on CPU (4-bit, contiguous groups), gptq_triton's W4A16 kernel on CUDA at decode "
+                    "and small-batch sizes, else dequantized block by block per matmul",
     ))

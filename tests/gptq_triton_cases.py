@@ -50,3 +50,18 @@ def test_cases_under_the_interpreter():
     for case in CASES:
         err = check(*case, device="cpu", dtype=torch.float32)
         assert err < 1e-5, (case, err)
+
+
+def test_awq_layer_repacked_for_the_kernel():
+    """An AWQ layer built for CUDA is repacked into GPTQ's layout at load; the kernel on its tensors (zero
+    offset 0) equals the checkpoint's dequantized weight."""
+    from test_quant_awq import awq_layer_for_cuda
+
+    from fw.quantizers.gptq_triton import w4a16_matmul
+
+    for rows, (m, k, n, gs) in enumerate([(1, 256, 64, 128), (9, 160, 72, 32)]):
+        layer, w = awq_layer_for_cuda(n, k, gs, seed=rows)
+        x = torch.randn(m, k)
+        got = w4a16_matmul(x, layer.qweight, layer.qzeros, layer.scales, gs, 0)
+        want = x.double() @ w.double().T
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5

@@ -1,9 +1,9 @@
-"""The `gptq` method's Triton W4A16 kernel (fw.quantizers.gptq_triton).
+"""The Triton W4A16 kernel the `gptq` and `awq` methods run on CUDA (fw.quantizers.gptq_triton).
 
-On CPU: the kernel under the Triton interpreter against the GPTQ formula (tests/gptq_triton_cases.py, in a
-child pytest with TRITON_INTERPRET=1, which must be set before triton's first import). On CUDA (`pytest -m
-gpu`): the same cases in bf16 and fp16 and a GPTQ model whose 4-bit layers run it, against the dequantized
-weights; and its speed against the dequantize-then-multiply path it replaces (printed)."""
+On CPU: the kernel under the Triton interpreter against the GPTQ formula, and on an AWQ layer repacked at load
+(tests/gptq_triton_cases.py, in a child pytest with TRITON_INTERPRET=1, which must be set before triton's first
+import). On CUDA (`pytest -m gpu`): the same cases in bf16 and fp16 and GPTQ and AWQ models whose 4-bit layers
+run it, against the dequantized weights; and its speed against the dequantize-then-multiply path it replaces (printed)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import gptq_triton_cases as cases
+import test_quant_awq as awq_case
 import quant_checkpoints as qc
 import test_quant_gptq as gptq_case
 from conftest import make_llm
@@ -27,12 +28,12 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_kernel_matches_the_gptq_formula_under_the_interpreter():
+def test_kernel_matches_the_gptq_and_awq_formulas_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                            str(HERE / "gptq_triton_cases.py")],
                           cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 @pytest.mark.gpu
@@ -63,6 +64,24 @@ def test_gptq_model_runs_the_kernel_on_cuda(float_model, tokenizer, tmp_path, mo
     path = qc.save_checkpoint(tmp_path / "gptq", float_model, tokenizer, tensors, qcfg)
     llm = make_llm(path, device="cuda")
     assert qc.check_linear_outputs(llm, weights, GPTQLinearMethod, device="cuda") == 8
+    assert calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_awq_model_runs_the_kernel_on_cuda(float_model, tokenizer, tmp_path, monkeypatch):
+    """AWQ layers, repacked into GPTQ's layout at load, run the same kernel."""
+    from fw.quantizers import gptq_triton
+    from fw.quantizers.awq import AWQLinearMethod
+
+    calls = []
+    real = gptq_triton.w4a16_matmul
+    monkeypatch.setattr(gptq_triton, "w4a16_matmul", lambda *a: calls.append(1) or real(*a))
+    tensors, weights = awq_case.awq_tensors(float_model, 32)
+    qcfg = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    path = qc.save_checkpoint(tmp_path / "awq", float_model, tokenizer, tensors, qcfg)
+    llm = make_llm(path, device="cuda")
+    assert qc.check_linear_outputs(llm, weights, AWQLinearMethod, device="cuda") == 8
     assert calls
 
 

@@ -100,3 +100,35 @@ def test_awq_modules_to_not_convert_stay_float(float_model, tokenizer, tmp_path)
         if name.endswith("down_proj"):
             weights[name] = float_model.get_parameter(name + ".weight").detach()
     qc.check_generation(llm, qc.dequantized_model(float_model, weights), tokenizer)
+
+
+def awq_layer_for_cuda(rows: int, cols: int, group_size: int, seed: int):
+    """An AWQ Linear built for a CUDA engine (loaded on the CPU, as fw loads), from random weights packed the
+    way AutoAWQ packs them; with its dequantized weight [out, in] by the published formula."""
+    from fw.layers import Linear
+    from fw.layers.context import ModelContext
+    from fw.quantizers.awq import AWQLinearMethod
+
+    torch.manual_seed(seed)
+    w = torch.randn(rows, cols)
+    q, zeros, scales = qc.quantize(w, 4, np.arange(cols) // group_size, cols // group_size, sym=False)
+    tensors = {"p.qweight": torch.from_numpy(qc.pack_columns(q, 4, AWQ_ORDER)),
+               "p.qzeros": torch.from_numpy(qc.pack_columns(zeros, 4, AWQ_ORDER)),
+               "p.scales": torch.from_numpy(scales)}
+    method = AWQLinearMethod({"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm"})
+    ctx = ModelContext(torch.float32, torch.device("cuda"), object, method)
+    layer = Linear(cols, rows, ctx, "model.layers.0.mlp.down_proj")
+    for name in ("qweight", "qzeros", "scales"):
+        layer.load_weight(name, tensors["p." + name])
+    layer.method.process_weights_after_loading(layer)
+    return layer, dequantize(tensors, "p", group_size)
+
+
+def test_awq_layer_for_cuda_is_repacked_into_gptq_layout():
+    """On CUDA an AWQ layer is repacked at load into GPTQ's layout (what gptq_triton reads): the same bytes,
+    and the codes it holds still dequantize to the checkpoint's weight (the reference path reads them)."""
+    layer, w = awq_layer_for_cuda(72, 160, 32, seed=4)
+    assert layer.awq_gptq_layout and layer.packed_int is None
+    assert layer.qweight.shape == (160 // 8, 72) and layer.qzeros.shape == (5, 72 // 8)
+    x = torch.randn(5, 160)
+    torch.testing.assert_close(layer(x).double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
