@@ -71,7 +71,7 @@ class CompiledStepsArtifact:
         before = self.check(context)
         if all(item.hit for item in before):
             return before  # nothing to compile: no engine to start
-        from fw.engine.engine import LLMEngine
+        from fw.engine.engine import LLMEngine  # here: fw.compile's light modules (buckets, cache) must not load the engine
 
         engine = LLMEngine(dataclasses.replace(cfg, skip_warmup=False, num_kv_blocks=_WARM_KV_BLOCKS),
                            context.plugins)

@@ -103,7 +103,7 @@ class LLMEngine:
         self._ids = itertools.count()
         logger.info("KV cache: %d pages of %d tokens (%d tokens)", num_blocks, page, num_blocks * page)
         if config.enable_torch_compile:  # fw.compile: the runner's step compiled per bucket, warmed up here
-            from fw.compile import attach
+            from fw.compile.engine_step import attach  # here: torch.compile's modules cost start-up time
 
             attach(self)
 
