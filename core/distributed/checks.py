@@ -12,6 +12,7 @@ from torch import nn
 from fw.config import EngineConfig
 from fw.errors import ConfigError, UnsupportedConfigurationError
 from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from fw.model_config import ModelConfig
 
 
 def _refuse(tp: int, why: str) -> UnsupportedConfigurationError:
@@ -66,9 +67,13 @@ def check_config(config: EngineConfig, hf_config, arch, source_kind: str = "dire
     inter = getattr(hf_config, "intermediate_size", None)
     if isinstance(inter, int) and inter % tp:
         raise _refuse(tp, f"the model's MLP has {inter} intermediate features, which do not divide by {tp}")
-    if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
-        raise _refuse(tp, f"{arch.name} is a Mixture-of-Experts model, and fw does not split experts across ranks "
-                          f"yet; use --tensor-parallel-size 1")
+    moe = ModelConfig.from_hf(hf_config).moe
+    if moe is not None:  # every expert is split like an MLP (fw.layers.moe)
+        for size, what in ((moe.intermediate_size, "experts have {} intermediate features each"),
+                           (moe.shared_expert_intermediate_size, "shared expert has {} intermediate features")):
+            if size and size % tp:
+                raise _refuse(tp, f"the model's {what.format(size)}, which do not divide by {tp}; choose a "
+                                  f"tensor-parallel size that divides {size}")
 
 
 def check_model_is_split(model: nn.Module, arch_name: str, tp: int) -> None:

@@ -144,10 +144,10 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one projection. With tensor parallelism
     each rank holds intermediate_size / tp of gate and up (column-parallel) and of down's inputs
-    (row-parallel, summed over the ranks)."""
+    (row-parallel, summed over the ranks; `reduce_results=False` leaves the sum to the caller)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, ctx: ModelContext, prefix: str, *,
-                 hidden_act: str = "silu", bias: bool = False):
+                 hidden_act: str = "silu", bias: bool = False, reduce_results: bool = True):
         super().__init__()
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"MLP activation {hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
@@ -156,7 +156,8 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], ctx,
                                                  f"{prefix}.gate_up_proj", bias=bias)
         self.gate_up_proj.silu_gate_up = self.fusable
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, f"{prefix}.down_proj", bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, f"{prefix}.down_proj", bias=bias,
+                                           reduce_results=reduce_results)
         self.inter = self.down_proj.input_size  # this rank's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,13 @@ Expert weights are stacked per layer in the layout transformers 5 keeps in memor
 them from either checkpoint naming: per-expert tensors (`experts.{e}.w1/w3/w2` in Mixtral,
 `experts.{e}.gate_proj/up_proj/down_proj` in Qwen-MoE; what hub checkpoints and
 `save_pretrained` write) or the stacked tensors themselves (`save_original_format=False`).
+
+Tensor parallelism splits every expert the way `GatedMLP` is split (vLLM's choice for its fused MoE):
+each rank holds intermediate_size / tp of every expert's gate and up rows and the matching input
+columns of its down projection, the router is replicated (every rank routes the same tokens the same
+way), and `SparseMoeBlock` sums the ranks' partial outputs, its shared expert's included, with one
+all-reduce. A kernel sees a `FusedExperts` whose `intermediate_size` is its rank's and computes it as
+it would a smaller model's.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ from torch import nn
 
 from fw.devices import cuda_capability
 from fw.distributed.group import tensor_parallel_of
-from fw.errors import ConfigError, ModelLoadError, UnsupportedConfigurationError
+from fw.errors import ConfigError, ModelLoadError
 from fw.layers.blocks import ACTIVATIONS, GatedMLP
 from fw.layers.context import ModelContext
+from fw.layers.parallel import split_evenly
 from fw.layers.weights import load_named_weights
 from fw.plugins.specs import MoeRequirements
 
@@ -97,15 +105,15 @@ class MoeKernel:
 
 
 class FusedExperts(nn.Module):
-    """One layer's experts, stacked, computed by the selected `MoeKernel`."""
+    """One layer's experts, stacked, computed by the selected `MoeKernel`. With tensor parallelism
+    `intermediate_size` is this rank's share of the model's (the stacked weights hold that share of
+    every expert) and the output is this rank's partial sum; `SparseMoeBlock` reduces it."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, ctx: ModelContext,
                  prefix: str, *, hidden_act: str = "silu"):
         super().__init__()
-        if tensor_parallel_of(ctx).size > 1:
-            raise UnsupportedConfigurationError(
-                f"--tensor-parallel-size {tensor_parallel_of(ctx).size}: {prefix} is a Mixture-of-Experts layer, "
-                f"and fw does not split experts across ranks yet; use --tensor-parallel-size 1")
+        self.tp = tensor_parallel_of(ctx)
+        intermediate_size = split_evenly(intermediate_size, self.tp.size, "intermediate features per expert", prefix)
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"MoE expert activation {hidden_act!r} is not supported "
                              f"(supported: {', '.join(ACTIVATIONS)})")
@@ -152,11 +160,31 @@ class FusedExperts(nn.Module):
             if part is not None:
                 target = target.narrow(0, part * self.intermediate_size, self.intermediate_size)
             where, done = f"[expert {expert}{'' if part is None else ', ' + ('gate', 'up')[part]}]", {shard}
-        if target.shape != tensor.shape:
-            raise ModelLoadError(f"weight {self.prefix}.{param_name}{where}: checkpoint shape {tuple(tensor.shape)} "
-                                 f"!= model shape {tuple(target.shape)}")
-        target.copy_(tensor)
+        target.copy_(self._rank_share(param_name, tensor, shard is None, where))
         self._loaded[param_name] |= done
+
+    def _rank_share(self, param_name: str, tensor: torch.Tensor, stacked: bool, where: str) -> torch.Tensor:
+        """This rank's share of a checkpoint tensor (its gate/up rows, its columns of down), once the
+        tensor is found to have the whole model's shape: a narrowed view, copied by the caller."""
+        local, ranks = self.intermediate_size, self.tp.size
+        inter = local * ranks
+        gate_up = param_name == "gate_up_proj"
+        # per expert: gate or up [I, H], down [H, I]; stacked: gate_up [E, 2I, H], down [E, H, I]
+        if gate_up:
+            shape, dim = (2 * inter if stacked else inter, self.hidden_size), 0
+        else:
+            shape, dim = (self.hidden_size, inter), 1
+        if stacked:
+            shape, dim = (self.num_experts, *shape), dim + 1
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(f"weight {self.prefix}.{param_name}{where}: checkpoint shape {tuple(tensor.shape)} "
+                                 f"!= model shape {shape}")
+        if ranks == 1:
+            return tensor
+        start = self.tp.rank * local
+        if stacked and gate_up:  # the gate rows, then the up rows, of every expert
+            return torch.cat([tensor.narrow(dim, start, local), tensor.narrow(dim, inter + start, local)], dim)
+        return tensor.narrow(dim, start, local)
 
     def complete_params(self) -> list[str]:
         """Names of the stacked parameters every expert has been loaded into; a partly loaded one is an error."""
@@ -184,6 +212,7 @@ class SparseMoeBlock(nn.Module):
                  prefix: str, *, hidden_act: str = "silu", renormalize: bool, weights_in_model_dtype: bool,
                  shared_expert_intermediate_size: int | None = None, shared_expert_gate: bool = False):
         super().__init__()
+        self.tp = tensor_parallel_of(ctx)
         self.gate = TopKRouter(hidden_size, num_experts, top_k, ctx.dtype, renormalize=renormalize,
                                weights_in_model_dtype=weights_in_model_dtype)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, top_k, ctx, f"{prefix}.experts",
@@ -191,7 +220,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, ctx,
-                                          f"{prefix}.shared_expert", hidden_act=hidden_act)
+                                          f"{prefix}.shared_expert", hidden_act=hidden_act, reduce_results=False)
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=ctx.dtype)
                 self.shared_expert_gate.weight.requires_grad_(False)
@@ -202,9 +231,9 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # a per-token scale: linear in the sum
             out = out + shared
-        return out
+        return self.tp.all_reduce(out)  # the ranks' partial sums of experts and shared expert, at once
 
 
 def load_moe_weights(

@@ -32,7 +32,8 @@ def _check_dense(layer: Linear) -> None:
             f"(bf16/fp32) checkpoint, or use --tensor-parallel-size 1")
 
 
-def _split(total: int, ranks: int, what: str, prefix: str) -> int:
+def split_evenly(total: int, ranks: int, what: str, prefix: str) -> int:
+    """`total / ranks`, or the refusal that names --tensor-parallel-size, the layer and what does not divide."""
     if total % ranks:
         raise UnsupportedConfigurationError(
             f"--tensor-parallel-size {ranks}: {prefix} has {total} {what}, which do not divide by {ranks}; "
@@ -59,7 +60,7 @@ class ColumnParallelLinear(Linear):
         tp = tensor_parallel_of(ctx)
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         if slices is None:
-            local = [_split(s, tp.size, "output features", prefix) for s in sizes]
+            local = [split_evenly(s, tp.size, "output features", prefix) for s in sizes]
             slices = [(tp.rank * n, n) for n in local]
         super().__init__(input_size, [length for _, length in slices], ctx, prefix, bias)
         self.tp, self.slices = tp, slices
@@ -75,16 +76,18 @@ class ColumnParallelLinear(Linear):
 
 class RowParallelLinear(Linear):
     """Each rank holds input columns [rank*n, (rank+1)*n), or `input_slice` (start, length), and the
-    output is summed over the ranks. `input_size` is the whole model's."""
+    output is summed over the ranks. `input_size` is the whole model's. `reduce_results=False` leaves
+    the partial sum for the caller to reduce together with others (a MoE block's shared expert and its
+    experts: one all-reduce for both, as vLLM does)."""
 
     def __init__(self, input_size: int, output_size: int, ctx, prefix: str, bias: bool = False,
-                 input_slice: tuple[int, int] | None = None):
+                 input_slice: tuple[int, int] | None = None, reduce_results: bool = True):
         tp = tensor_parallel_of(ctx)
         if input_slice is None:
-            n = _split(input_size, tp.size, "input features", prefix)
+            n = split_evenly(input_size, tp.size, "input features", prefix)
             input_slice = (tp.rank * n, n)
         super().__init__(input_slice[1], output_size, ctx, prefix, bias)
-        self.tp, self.input_start = tp, input_slice[0]
+        self.tp, self.input_start, self.reduce_results = tp, input_slice[0], reduce_results
         _check_dense(self)
 
     def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
@@ -99,4 +102,5 @@ class RowParallelLinear(Linear):
         super().load_weight(param_name, tensor, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.method.apply(self, x))
+        partial = self.method.apply(self, x)
+        return self.tp.all_reduce(partial) if self.reduce_results else partial
