@@ -11,9 +11,17 @@ caches kept per configuration under `--compile-cache-dir` (docs/compile.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 from fw.compile.buckets import StepBuckets
 from fw.compile.engine_step import attach
 from fw.compile.step import CompiledStep
-from fw.compile.warm import warm_artifacts
 
 __all__ = ["CompiledStep", "StepBuckets", "attach", "warm_artifacts"]
+
+
+def warm_artifacts(context: Any) -> list:
+    # here: fw.compile.warm is fw warm-cache's (tooling, which starts engines): kept off the engine's import path
+    from fw.compile.warm import warm_artifacts as make
+
+    return make(context)

@@ -1,0 +1,142 @@
+"""fw's import graph, read from the source (scripts/import_graph.py; nothing is imported): no module
+imports another that imports it back, even through imports inside functions (a circle hidden in a
+function is still a circle); the inference core never imports the tooling at module level; an import
+inside a function says why (start-up time) in a comment; docs/architecture.md shows the graph as it is."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+import_graph = importlib.util.module_from_spec(_spec)
+sys.modules["import_graph"] = import_graph  # dataclasses look their module up while the file runs
+_spec.loader.exec_module(import_graph)
+
+EDGES, LOCAL = import_graph.scan()
+
+# The tooling: commands and kits around the engine that serving never needs. The inference core is every
+# other fw module except the command line and the built-in plugins (tests/test_plugin_imports.py holds those
+# to the plugin API).
+TOOLING = (
+    "fw.bench", "fw.scaffold", "fw.testing",  # fw bench, fw plugins new, the conformance kit
+    "fw.plugins.api_snapshot", "fw.cli.flag_reference",  # the API snapshot, the flag reference
+    "fw.cli.bench", "fw.cli.doctor", "fw.cli.doctor_checks", "fw.cli.doctor_config", "fw.cli.doctor_env",
+    "fw.cli.warm_cache",  # the commands' CLI modules
+    # fw warm-cache (fw.warm.startup, the start-up report, and fw.warm.artifact, the artifact contract, are not)
+    "fw.warm.collect", "fw.warm.cpp", "fw.warm.grammar", "fw.warm.model", "fw.warm.resolve", "fw.warm.runner",
+    "fw.warm.verify", "fw.compile.warm",
+)
+PLUGINS = ("fw.architectures", "fw.backends", "fw.quantizers")
+FRONTS = ("fw.cli",)  # the command line runs the commands: it may import them (lazily: `fw --help` stays light)
+# Core -> tooling imports inside a function, each with why it is not a module-level import.
+CORE_TO_TOOLING_IN_FUNCTIONS = {
+    ("fw.compile", "fw.compile.warm"): "fw.compile.warm_artifacts is how fw warm-cache (fw.warm.collect) finds the "
+                                       "compiled steps' artifact; the engine's import of fw.compile never loads it",
+}
+# Files whose function-local imports do not all say why yet: the number of silent ones may only go down.
+# Empty an entry by giving each import its comment (start-up time) or by moving it to the module's top.
+SILENT_LOCAL_IMPORTS = {
+    "architectures/transformers_fallback.py": 5, "backends/attention/cpu_paged.py": 2,
+    "backends/attention/flex.py": 3, "backends/attention/triton_backend.py": 1,
+    "backends/grammar/outlines_backend.py": 6, "backends/grammar/outlines_regex.py": 1,
+    "backends/grammar/outlines_schema.py": 1, "backends/grammar/xgrammar_backend.py": 5,
+    "backends/grammar/xgrammar_schema.py": 1, "core/__init__.py": 1, "core/bench/embed.py": 5,
+    "core/bench/hf_baseline.py": 2, "core/bench/kernels.py": 14, "core/bench/llamacpp_python.py": 1,
+    "core/bench/lora.py": 7, "core/bench/offline.py": 9, "core/bench/parallel.py": 8, "core/bench/plot.py": 4,
+    "core/cli/bench.py": 17, "core/cli/doctor.py": 8, "core/cli/doctor_checks.py": 14, "core/cli/doctor_env.py": 3,
+    "core/cli/flag_reference.py": 2, "core/cli/generate.py": 5, "core/cli/main.py": 2, "core/cli/plugins_cmd.py": 4,
+    "core/cli/serve.py": 18, "core/cli/warm_cache.py": 7, "core/compile/cache.py": 2, "core/compile/ops.py": 1,
+    "core/compile/step.py": 3, "core/compile/warm.py": 5, "core/config.py": 1, "core/cpp_ops.py": 2,
+    "core/distributed/data_parallel.py": 2, "core/distributed/launch.py": 1, "core/layers/context.py": 1,
+    "core/layers/gguf_weight.py": 2, "core/llm.py": 1, "core/lora/adapter.py": 1,
+    "core/model_loader/config_snapshot.py": 3, "core/model_loader/fast_tokenizer.py": 2,
+    "core/model_loader/gguf_file.py": 7, "core/model_loader/gguf_header.py": 4, "core/model_loader/hf.py": 3,
+    "core/model_loader/quantized_weights.py": 2, "core/model_loader/source.py": 3,
+    "core/plugins/api_snapshot.py": 2, "core/scaffold/__init__.py": 3, "core/scaffold/port.py": 5,
+    "core/testing/architecture.py": 5, "core/testing/attention.py": 2, "core/testing/grammar.py": 4,
+    "core/testing/models.py": 7, "core/testing/moe.py": 3, "core/testing/pipeline.py": 2,
+    "core/testing/pytest_plugin.py": 3, "core/testing/quantization.py": 3, "core/testing/samplers.py": 7,
+    "core/testing/suite.py": 6, "core/warm/__init__.py": 1, "core/warm/collect.py": 3, "core/warm/cpp.py": 5,
+    "core/warm/grammar.py": 4, "core/warm/model.py": 8, "core/warm/resolve.py": 4, "core/warm/verify.py": 1,
+    "quantizers/_packing.py": 2, "quantizers/bitsandbytes.py": 1, "quantizers/bnb_cpu_kernel.py": 1,
+    "quantizers/fp8.py": 1, "quantizers/gguf.py": 4,
+}
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _where(a: str, b: str) -> str:
+    edge = next(e for e in EDGES if e.source == a and e.target == b)
+    return f"{edge.path}:{edge.line}" + (" (in a function)" if edge.local else "")
+
+
+def test_no_import_circle():
+    loops = import_graph.circles(import_graph.graph(EDGES))
+    text = ["  " + " -> ".join(loop) + "\n" + "\n".join(f"    {a} -> {b}: {_where(a, b)}"
+                                                          for a, b in zip(loop, loop[1:])) for loop in loops]
+    assert not loops, ("import circles (break each by moving the shared piece to the lower module or passing it "
+                       "in, not by hiding the import in a function):\n" + "\n".join(text))
+
+
+def test_the_circle_check_sees_a_circle():
+    g = {"fw.a": {"fw.b"}, "fw.b": {"fw.c"}, "fw.c": {"fw.a"}, "fw.d": {"fw.a"}}
+    assert import_graph.circles(g) == [["fw.a", "fw.b", "fw.c", "fw.a"]]
+    assert import_graph.circles({"fw.a": {"fw.b"}, "fw.b": set()}) == []
+
+
+def test_the_scan_reads_every_kind_of_import(tmp_path):
+    core = tmp_path / "core"
+    (core / "engine").mkdir(parents=True)
+    (core / "__init__.py").write_text("")
+    (core / "engine" / "__init__.py").write_text("from . import step\nfrom .step import run\n")
+    (core / "engine" / "step.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fw.llm import LLM\n"
+        "try:\n    import fw.config\nexcept ImportError:\n    pass\n\n\ndef run():\n"
+        "    import torch  # here: torch costs start-up time\n    from fw.llm import LLM\n")
+    (core / "config.py").write_text("")
+    (core / "llm.py").write_text("from fw.engine.step import run\n")
+    edges, local = import_graph.scan(tmp_path)
+    found = {(e.source, e.target, e.local) for e in edges}
+    assert found == {("fw.engine", "fw.engine.step", False), ("fw.engine.step", "fw.config", False),
+                     ("fw.engine.step", "fw.llm", True), ("fw.llm", "fw.engine.step", False)}
+    assert [(i.line, i.commented) for i in local] == [(11, True), (12, False)]
+    assert import_graph.circles(import_graph.graph(edges)) == [["fw.engine.step", "fw.llm", "fw.engine.step"]]
+    assert import_graph.circles(import_graph.graph(edges, local=False)) == []
+
+
+def test_the_inference_core_never_imports_the_tooling():
+    known = import_graph.modules()
+    assert all(any(m == t or m.startswith(t + ".") for m in known) for t in TOOLING), "a tooling module was renamed"
+    found = [f"{e.source} -> {e.target}: {e.path}:{e.line}" for e in EDGES
+             if not _within(e.source, TOOLING + PLUGINS + FRONTS) and _within(e.target, TOOLING)
+             and (not e.local or (e.source, e.target) not in CORE_TO_TOOLING_IN_FUNCTIONS)]
+    assert not found, ("the inference core imports tooling (bench, scaffold, testing, warm-cache, API snapshot, "
+                       "flag reference); have the tool call the core instead:\n" + "\n".join(found))
+
+
+def test_function_local_imports_say_why():
+    silent: dict[str, list[str]] = {}
+    for imp in LOCAL:
+        if not imp.commented:
+            silent.setdefault(imp.path, []).append(f"{imp.path}:{imp.line}: {imp.text}")
+    grown = {path: lines for path, lines in silent.items() if len(lines) > SILENT_LOCAL_IMPORTS.get(path, 0)}
+    assert not grown, ("an import inside a function is allowed where start-up time needs it, with a comment "
+                       "saying so (on its line or the line above); else move it to the top of the module:\n"
+                       + "\n".join(line for lines in grown.values() for line in lines))
+    done = sorted(path for path, n in SILENT_LOCAL_IMPORTS.items() if len(silent.get(path, ())) < n)
+    assert not done, f"fewer silent function-local imports than recorded: lower (or drop) these entries: {done}"
+
+
+def test_the_docs_show_the_graph_as_it_is():
+    doc = import_graph.DOC.read_text(encoding="utf-8")
+    assert import_graph.section(doc, "graph") == import_graph.render_graph(EDGES), (
+        "docs/architecture.md's import graph is out of date: run python scripts/import_graph.py --write")
+    listed = {line.split("`")[1] for line in import_graph.section(doc, "layout").splitlines()
+              if line.startswith("| `")}
+    assert listed == set(import_graph.line_counts()), (
+        "docs/architecture.md's layout table lists other packages: run python scripts/import_graph.py --write")
