@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -24,6 +25,8 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from fw.errors import ConfigError
 
 # Names a message's reasoning is passed under; the first is the one templates read (as transformers).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -169,3 +172,34 @@ def render(template: str, messages: Any, *, tools: list[dict] | None = None, doc
     return compile_template(template).render(
         messages=chat, tools=plain_data(tools), documents=plain_data(documents),
         add_generation_prompt=add_generation_prompt, **plain_data(variables))
+
+
+# vLLM's rule: a value holding none of these characters is meant as a file's path
+_TEMPLATE_CHARS = "{}\n"
+
+
+def load_chat_template(value: str, flag: str = "--chat-template") -> str:
+    """The template text `value` names (vLLM's and MAX's --chat-template): a file's contents, or `value`
+    itself with its backslash escapes read (a shell passes `\\n` as two characters); parsed once here so
+    that a broken template fails at start-up. ConfigError names `flag` and what to fix."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        try:
+            text = open(path, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{flag} {value}: cannot read the file ({exc})") from None
+        where = f"{flag} {value}"
+    elif not any(c in value for c in _TEMPLATE_CHARS):
+        raise ConfigError(f"{flag} {value}: no such file. Give a Jinja template file, or the template itself "
+                          "(text with {{ }} or {% %})")
+    else:
+        # latin-1 with backslashreplace keeps every other character as it is through unicode_escape
+        text = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        where = f"{flag} (the template given inline)"
+    if not text.strip():
+        raise ConfigError(f"{where}: the template is empty")
+    try:
+        compile_template(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"{where}: not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
+    return text

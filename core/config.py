@@ -43,6 +43,14 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ROPE_TYPES = ("none", "normal", "neox")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 BUCKETING = ("exponential", "linear")
+# --quantization-encoding (MAX's names) -> the fw option it sets and the value; (None, TYPE): a GGUF file's
+# weight type, which fw reads from the file itself. MAX's float4_e2m1fnx2 (NVFP4) has no fw kernel.
+QUANTIZATION_ENCODINGS: dict[str, tuple[str | None, str]] = {
+    "float32": ("dtype", "float32"), "bfloat16": ("dtype", "bfloat16"),
+    "float8_e4m3fn": ("quantization", "fp8"), "gptq": ("quantization", "gptq"),
+    "q4_0": (None, "Q4_0"), "q4_1": (None, "Q4_1"), "q8_0": (None, "Q8_0"), "q4_k": (None, "Q4_K"),
+    "q6_k": (None, "Q6_K"),
+}
 
 
 @dataclass
@@ -54,6 +62,11 @@ class EngineConfig:
         aliases=(("--model-path", "SGLang"), ("--model-id", "TGI"))))
     revision: str | None = field(default=None, metadata=_opt("Hub revision (branch, tag or commit) of --model."))
     tokenizer: str | None = field(default=None, metadata=_opt("Tokenizer directory or hub id, if not the model's."))
+    chat_template: str | None = field(default=None, metadata=_opt(
+        "Chat template used instead of the model's own wherever a chat is rendered (the server's chat route, "
+        "LLM.chat, fw generate --chat): a Jinja file, or the template itself (text holding {, } or a newline; "
+        "backslash escapes such as \\n in it are read, as vLLM reads them). Read and parsed at start-up. "
+        "vLLM's, SGLang's and MAX's name."))
     trust_remote_code: bool = field(default=False, metadata=_opt("Allow model repos to run their own Python code."))
     dtype: str = field(default="auto", metadata=_opt(
         "Weight and activation dtype. auto: the checkpoint's dtype (float16 becomes bfloat16 on CPU; GGUF: float32).",
@@ -74,6 +87,10 @@ class EngineConfig:
     grammar_backend: str = field(default="auto", metadata=_opt(
         "Grammar backend plugin for structured output (response_format, guided_*), or auto: the highest-priority "
         "installed one that supports the request's kind of constraint. A request may name its own."))
+    enable_structured_output: bool = field(default=True, metadata=_opt(
+        "Constrained decoding (response_format json_object/json_schema, guided_*, structured_outputs, "
+        "tool_choice required or named). On by default, as in vLLM and SGLang; off: such requests are refused "
+        "(HTTP 400; LLM.generate raises) instead of being constrained. MAX's name; off by default in MAX."))
     tool_call_parser: str = field(default="auto", metadata=_opt(
         "Tool-call parser plugin that extracts tool calls from the text of chat requests with tool_choice auto "
         "(e.g. hermes, llama3_json), or auto: the one that recognises the model's chat template; with none "
@@ -87,6 +104,10 @@ class EngineConfig:
     quantization: str | None = field(default=None, metadata=_opt(
         "Quantization method plugin; default: from the checkpoint's quantization_config.",
         aliases=(("--quantize", "TGI"),)))
+    quantization_encoding: str | None = field(default=None, metadata=_opt(
+        "MAX's weight encoding, as fw's options: float32 and bfloat16 set --dtype; float8_e4m3fn sets "
+        "--quantization fp8, gptq --quantization gptq; q4_0, q4_k, q6_k (and q4_1, q8_0) name a GGUF file's "
+        "weight type, checked against the file (which is its own quantization). float4_e2m1fnx2 is refused."))
     gguf_dequantize_at_load: bool | None = field(default=None, metadata=_opt(
         "GGUF models: dequantize every weight once at load instead of keeping linear weights packed (the gguf "
         "method). Default: keep packed on CPUs with AVX512-VNNI, where fw's packed-int kernels run Q4_0/Q4_1/"
@@ -214,7 +235,26 @@ class EngineConfig:
         if self.lora_modules and not self.enable_lora:
             self.enable_lora = True  # naming adapters to load turns LoRA on
         self.device = _device_name(self.device)
+        self._apply_quantization_encoding()
         self.validate()
+
+    def _apply_quantization_encoding(self) -> None:
+        """--quantization-encoding (MAX) as --dtype or --quantization; a contradicting flag is refused."""
+        if self.quantization_encoding is None:
+            return
+        encoding = self.quantization_encoding = str(self.quantization_encoding).strip().lower()
+        if encoding not in QUANTIZATION_ENCODINGS:
+            why = (" (NVFP4: fw has no float4 kernels)" if encoding == "float4_e2m1fnx2" else "")
+            raise ConfigError(f"--quantization-encoding {encoding!r} cannot be served by fw{why}; accepted: "
+                              f"{', '.join(QUANTIZATION_ENCODINGS)}")
+        option, value = QUANTIZATION_ENCODINGS[encoding]
+        if option is None:  # a GGUF weight type: checked against the file when the model is resolved
+            return
+        current, unset = getattr(self, option), ("auto" if option == "dtype" else None)
+        if current not in (unset, value):
+            raise ConfigError(f"--quantization-encoding {encoding} means {flag_name(option)} {value}, but "
+                              f"{flag_name(option)} {current} is given: pass one of the two")
+        setattr(self, option, value)
 
     def validate(self) -> None:
         if self.kv_cache_page_size <= 0:
@@ -259,6 +299,10 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         SpeculativeConfig.parse(self.speculative_config)  # its structure; the method is checked by the engine
+        if self.chat_template is not None:
+            from fw.chat_template import load_chat_template  # here: jinja2 only when a template is given
+
+            load_chat_template(self.chat_template)  # a missing file or a template that does not parse
         self._validate_compile()
         self._validate_distributed()
 

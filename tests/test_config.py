@@ -30,6 +30,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "model": (["--model", "some/model"], "some/model"),
     "revision": (["--revision", "v2"], "v2"),
     "tokenizer": (["--tokenizer", "tok/dir"], "tok/dir"),
+    "chat_template": (["--chat-template", "{{ messages[0].content }}"], "{{ messages[0].content }}"),
     "trust_remote_code": (["--trust-remote-code"], True),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "device": (["--device", "cpu"], "cpu"),
@@ -40,6 +41,8 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "grammar_backend": (["--grammar-backend", "outlines"], "outlines"),
     "tool_call_parser": (["--tool-call-parser", "hermes"], "hermes"),
     "quantization": (["--quantization", "fp8"], "fp8"),
+    "quantization_encoding": (["--quantization-encoding", "q4_k"], "q4_k"),
+    "enable_structured_output": (["--no-enable-structured-output"], False),
     "gguf_dequantize_at_load": (["--gguf-dequantize-at-load"], True),
     "rope_type": (["--rope-type", "neox"], "neox"),
     "kv_cache_page_size": (["--kv-cache-page-size", "32"], 32),
@@ -168,6 +171,7 @@ def test_a_seed_systems_flag_name_reaches_the_same_field(argv, name, expected):
 @pytest.mark.parametrize("argv, name, expected", [
     (["--disable-log-requests"], "log_requests", False),  # vLLM: the same as --no-log-requests
     (["--json-output"], "json_logs", True),  # TGI
+    (["--no-enable-echo"], "enable_echo", False),  # MAX's own flag (default on in fw)
 ])
 def test_a_seed_systems_server_flag_reaches_the_same_field(argv, name, expected):
     from fw.server.config import ServerConfig
@@ -181,6 +185,67 @@ def test_a_seed_systems_server_flag_reaches_the_same_field(argv, name, expected)
     assert getattr(resolve(argv, {}), name) == expected
     assert getattr(resolve(argv, {env_name(name): str(not expected).lower()}), name) == expected  # the CLI wins
     assert getattr(resolve([], {env_name(name): str(not expected).lower()}), name) == (not expected)
+
+
+# MAX's --quantization-encoding: each value reaches the fw option with the same meaning (a GGUF weight type is
+# checked against the file when the model is resolved: tests/test_max_flags.py)
+ENCODINGS = [("float32", "dtype", "float32"), ("bfloat16", "dtype", "bfloat16"),
+             ("float8_e4m3fn", "quantization", "fp8"), ("gptq", "quantization", "gptq"),
+             ("Q4_K", "quantization", None)]
+
+
+@pytest.mark.parametrize("encoding, name, expected", ENCODINGS, ids=[e[0] for e in ENCODINGS])
+def test_a_quantization_encoding_reaches_fws_own_option(encoding, name, expected):
+    config = from_cli(["--quantization-encoding", encoding])
+    assert config.quantization_encoding == encoding.lower()
+    assert getattr(config, name) == expected
+    if expected is not None:
+        assert getattr(from_cli([flag_name(name), expected]), name) == expected
+        assert from_cli([flag_name(name), expected, "--quantization-encoding", encoding]).quantization_encoding
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--quantization-encoding", "float4_e2m1fnx2"], ["--quantization-encoding", "NVFP4", "accepted: float32"]),
+    (["--quantization-encoding", "int3"], ["--quantization-encoding 'int3'", "accepted:", "q6_k"]),
+    (["--quantization-encoding", "float32", "--dtype", "bfloat16"], ["means --dtype float32", "--dtype bfloat16"]),
+    (["--quantization-encoding", "gptq", "--quantize", "awq"], ["means --quantization gptq", "awq"]),
+])
+def test_a_quantization_encoding_fw_cannot_honour_is_refused_naming_the_flag(argv, words):
+    with pytest.raises(ConfigError) as err:
+        from_cli(argv)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_a_chat_template_is_a_file_or_the_template_itself(tmp_path):
+    from fw.chat_template import load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert load_chat_template(str(path)) == path.read_text()
+    assert from_cli(["--chat-template", str(path)]).chat_template == str(path)
+    # inline: a shell passes \n as two characters, read as a newline (vLLM); other characters kept as they are
+    assert load_chat_template("{{ 'é' }}\\n日本") == "{{ 'é' }}\n日本"
+
+
+@pytest.mark.parametrize("value, words", [
+    ("missing.jinja", ["--chat-template missing.jinja: no such file"]),
+    ("{% for m in messages %}", ["--chat-template (the template given inline): not a valid Jinja template",
+                                 "line 1"]),
+    ("\n  \n", ["the template is empty"]),
+])
+def test_a_chat_template_that_cannot_be_used_fails_at_start_up_naming_the_flag(value, words):
+    with pytest.raises(ConfigError) as err:
+        from_cli(["--chat-template", value])
+    assert all(w in str(err.value) for w in words), str(err.value)
+    with pytest.raises(ConfigError, match="--chat-template"):
+        resolve_config(environ={"FW_CHAT_TEMPLATE": value})
+
+
+def test_a_broken_template_file_names_its_line(tmp_path):
+    path = tmp_path / "bad.jinja"
+    path.write_text("ok\n{{ messages[0] ")
+    with pytest.raises(ConfigError, match=rf"--chat-template {path}: not a valid Jinja template: .*line 2"):
+        EngineConfig(chat_template=str(path))
 
 
 def test_several_devices_are_refused_naming_the_flag():

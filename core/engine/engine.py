@@ -94,7 +94,7 @@ class LLMEngine:
         self.sampler = SamplerPipeline(self.plugins.registry("sampler"), config.sampling_backend)
         self.grammar = GrammarService(self.plugins.registry("grammar_backend"),
                                       GrammarTokenizer(self.tokenizer, self.vocab_size, loaded.eos_token_ids),
-                                      config.grammar_backend)
+                                      config.grammar_backend, enabled=config.enable_structured_output)
         if self.speculator is not None:
             self.speculator.start(ProposerContext(
                 self.vocab_size, frozenset(loaded.eos_token_ids), spec_config.num_speculative_tokens,

@@ -38,8 +38,9 @@ class SequenceGrammar:
 
 class GrammarService:
     def __init__(self, registry: Registry, tokenizer: GrammarTokenizer, default_backend: str = "auto",
-                 max_cached: int = 256, workers: int = 1):
+                 max_cached: int = 256, workers: int = 1, enabled: bool = True):
         self.registry = registry
+        self.enabled = enabled  # --no-enable-structured-output: every constraint is refused
         self.tokenizer = tokenizer
         self.default_backend = default_backend
         if default_backend not in ("auto", None) and default_backend not in registry:
@@ -59,6 +60,12 @@ class GrammarService:
 
     def backend_name(self, params: StructuredOutputsParams) -> str:
         """The backend for this request: its own `backend`, else --grammar-backend, else auto."""
+        if not self.enabled:
+            raise InvalidRequestError(
+                "structured output is turned off on this server (--no-enable-structured-output): response_format "
+                "json_object/json_schema, guided_*, structured_outputs and tool_choice required or named are "
+                "refused; send the request without a constraint, or start fw with --enable-structured-output",
+                param="structured_outputs")
         kind = params.constraint().kind
         try:
             return select_grammar_backend(self.registry, kind, params.backend or self.default_backend).chosen.name

@@ -222,9 +222,9 @@ class FastTokenizer:
                  and not set(kwargs) & {"continue_final_message", "sanitize_control_tokens", "padding",
                                         "truncation", "max_length", "return_tensors", "return_dict",
                                         "return_assistant_tokens_mask", "tokenizer_kwargs"})
-        if not plain:
+        if not plain:  # this object's template: it may be --chat-template's, not the one transformers loaded
             return self.transformers_tokenizer().apply_chat_template(
-                conversation, tools=tools, documents=documents, chat_template=chat_template,
+                conversation, tools=tools, documents=documents, chat_template=self._template(chat_template, tools),
                 add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs)
         from fw import chat_template as templates  # jinja2 only when a chat is rendered (start-up time)
 

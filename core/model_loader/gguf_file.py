@@ -10,6 +10,7 @@ llama.cpp's Q/K row permutation) through `ArchitectureSpec.gguf_weight_transform
 from __future__ import annotations
 
 import re
+from collections import Counter
 from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterator
@@ -140,6 +141,13 @@ class GGUFModel:
             return AutoTokenizer.from_pretrained(str(cached))
 
         return cached_tokenizer(cached, from_transformers, convert)
+
+    def linear_weight_type(self) -> str | None:
+        """The ggml type most of the file's linear weights are stored in ("Q4_K" for a Q4_K_M file, whose
+        few Q6_K layers are outnumbered), or None if it has none; what --quantization-encoding is checked against."""
+        types = Counter(t.tensor_type.name for t in self.reader.tensors
+                        if len(t.shape) == 2 and is_packable_linear(hf_tensor_name(t.name)))
+        return types.most_common(1)[0][0] if types else None
 
     def tensor_type(self, gguf_name: str) -> int | None:
         """The ggml type id of a tensor (say "token_embd.weight"), or None if the file has no such tensor."""

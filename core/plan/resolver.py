@@ -213,8 +213,9 @@ class _Resolver:
                                  details={"from": origin}))
             return
         self.values["tokenizer"] = tok
+        template = "--chat-template" if cfg.chat_template is not None else "the tokenizer's own"
         self.decide(Decision("tokenizer", "tokenizer", cfg.tokenizer, chosen=type(tok).__name__,
-                             details={"from": origin}))
+                             details={"from": origin, "chat_template": template}))
 
     def _dtype_and_length(self) -> None:
         cfg, source, device, hf_config = (self.config, self.values["source"], self.values["device"],
@@ -335,6 +336,7 @@ class _Resolver:
         problem = warning = None
         name = qcfg = None
         try:
+            rules.check_quantization_encoding(cfg, self.values["source"], self.values.get("gguf"))
             qcfg = rules.quantization_config(cfg, hf_config, device, gguf)
             name, qcfg, warning = rules.choose_quantization(cfg, hf_config, arch, self.plugins, device, gguf)
         except FwError as exc:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fw.config import EngineConfig
+from fw.config import QUANTIZATION_ENCODINGS, EngineConfig
 from fw.devices import cuda_capability
 from fw.errors import ConfigError, UnsupportedArchitectureError, UnsupportedConfigurationError
 from fw.layers import packed_int
@@ -232,6 +232,24 @@ def linear_method(plugins: PluginManager, name: str | None, qcfg: dict | None) -
     return None if name is None else plugins.registry("quantization_method").get(name).factory(qcfg or {})
 
 
+def check_quantization_encoding(cfg: EngineConfig, source: ModelSource, gguf: GGUFModel | None) -> None:
+    """--quantization-encoding naming a GGUF weight type (q4_0, q4_k, ...): the model must be a GGUF file whose
+    linear weights are of that type, as MAX refuses an encoding the weights are not in. (float32, bfloat16,
+    float8_e4m3fn and gptq became --dtype or --quantization in the config.)"""
+    encoding = cfg.quantization_encoding
+    if encoding is None or QUANTIZATION_ENCODINGS[encoding][0] is not None:
+        return
+    want = QUANTIZATION_ENCODINGS[encoding][1]
+    if source.kind != "gguf":
+        raise ConfigError(f"--quantization-encoding {encoding} names a GGUF weight type, but {source.name} is not a "
+                          f".gguf file; drop the flag (fw reads a checkpoint's encoding from its files)")
+    found = (gguf or GGUFModel(source.path)).linear_weight_type()
+    if found != want:
+        raise ConfigError(f"--quantization-encoding {encoding}: the linear weights of {source.path.name} are "
+                          f"{found or 'not quantized'}, not {want}; drop the flag (fw reads the encoding from the "
+                          f"file) or name the file's own")
+
+
 def tokenizer_origin(cfg: EngineConfig, source: ModelSource) -> str:
     """Where the tokenizer comes from: --tokenizer, the GGUF file's own vocabulary, or the model directory."""
     if cfg.tokenizer:
@@ -240,9 +258,17 @@ def tokenizer_origin(cfg: EngineConfig, source: ModelSource) -> str:
 
 
 def open_tokenizer(cfg: EngineConfig, source: ModelSource, gguf: GGUFModel | None = None) -> Any:
-    """The transformers tokenizer from `tokenizer_origin`."""
+    """The transformers tokenizer from `tokenizer_origin`, with --chat-template in place of its own template.
+    The template is set on this process's tokenizer object after it is loaded, never written into the
+    tokenizer's snapshot (fw.model_loader.fast_tokenizer), so an engine without the flag gets the model's."""
     if cfg.tokenizer:
-        return load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
-    if source.kind == "gguf":
-        return (gguf or GGUFModel(source.path)).tokenizer()
-    return load_tokenizer(source.path, cfg.trust_remote_code)
+        tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
+    elif source.kind == "gguf":
+        tok = (gguf or GGUFModel(source.path)).tokenizer()
+    else:
+        tok = load_tokenizer(source.path, cfg.trust_remote_code)
+    if cfg.chat_template is not None:
+        from fw.chat_template import load_chat_template  # here: jinja2 only when a template is given
+
+        tok.chat_template = load_chat_template(cfg.chat_template)
+    return tok

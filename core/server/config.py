@@ -35,6 +35,10 @@ class ServerConfig:
         "Log every request (id, sizes, parameters).", negated_aliases=(("--disable-log-requests", "vLLM"),)))
     json_logs: bool = field(default=False, metadata=_opt("Write logs as JSON lines.",
                                                          aliases=(("--json-output", "TGI"),)))
+    enable_echo: bool = field(default=True, metadata=_opt(
+        "echo in /v1/completions: the prompt returned before each completion, with its logprobs when asked "
+        "(lm-eval-harness's loglikelihood). On by default, as in vLLM; off: a request with echo is refused "
+        "(400). MAX's name; off by default in MAX."))
     ui: bool = field(default=True, metadata=_opt(
         "Serve the chat page at / (static files shipped with fw; its API calls carry the key). --no-ui: / is a 404."))
 

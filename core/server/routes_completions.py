@@ -46,6 +46,9 @@ async def create_completion(req: CompletionRequest, request: Request):
     if req.suffix:
         raise InvalidRequestError("suffix is not supported: this server does not do fill-in-the-middle",
                                   param="suffix")
+    if req.echo and not state.config.enable_echo:
+        raise InvalidRequestError("echo is turned off on this server (--no-enable-echo); send the request without "
+                                  "echo, or start fw with --enable-echo", param="echo")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of is not supported; use n", param="best_of")
     check_limits(req, RANGES, state.engine.engine.vocab_size)
