@@ -127,3 +127,13 @@ def test_a_gguf_encoding_is_checked_against_the_file(gguf_file, gqa_dir):
     with pytest.raises(ConfigError, match=r"--quantization-encoding q6_k names a GGUF weight type, but .* is not a "
                                           r"\.gguf file"):
         make_llm(gqa_dir, quantization_encoding="q6_k")
+
+
+def test_a_draft_model_takes_neither_the_targets_encoding_nor_its_template():
+    from fw.config import EngineConfig
+    from fw.speculative.draft_runner import draft_engine_config
+
+    target = EngineConfig(quantization_encoding="gptq", chat_template=TEMPLATE)
+    draft = draft_engine_config(target, "draft/model", {})
+    assert (draft.quantization, draft.quantization_encoding, draft.chat_template) == (None, None, None)
+    assert draft_engine_config(EngineConfig(quantization_encoding="float32"), "d", {}).dtype == "float32"

@@ -40,10 +40,11 @@ _PARAMS = SamplingParams(max_tokens=None, speculative=False)  # what a draft seq
 def draft_engine_config(target: EngineConfig, model: str, options: dict[str, Any]) -> EngineConfig:
     """The target's configuration for the draft: same device, dtype, plugins and paging; the draft's own
     checkpoint, revision, quantization and context length; nothing of the target's model-specific or
-    serving options (tokenizer, LoRA, compilation, tensor parallelism, speculation)."""
+    serving options (tokenizer, chat template, weight encoding, LoRA, compilation, tensor parallelism,
+    speculation). The target's --quantization-encoding already set its --dtype, which the draft keeps."""
     return dataclasses.replace(
-        target, model=model, revision=options.get("revision"), tokenizer=None,
-        quantization=options.get("quantization"), max_length=options.get("max_model_len"),
+        target, model=model, revision=options.get("revision"), tokenizer=None, chat_template=None,
+        quantization=options.get("quantization"), quantization_encoding=None, max_length=options.get("max_model_len"),
         speculative_config=None, enable_lora=False, lora_modules=[], enable_torch_compile=False,
         compile_mode=None, tensor_parallel_size=1, nnodes=1, node_rank=0, task="generate",
         rope_type="none")
