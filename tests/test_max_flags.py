@@ -27,7 +27,8 @@ from server_fixtures import assert_error_body
 HI = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
 # A template nothing else renders: its text shows which template a prompt went through.
-TEMPLATE = "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}### assistant:{% endif %}"
+TEMPLATE = ("{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}### assistant:{% endif %}")
 
 
 def serve(llm, **server_options):
