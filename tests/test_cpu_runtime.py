@@ -233,3 +233,50 @@ def test_bench_contention_starts_and_stops_busy_neighbours():
         # another session each, as the issue's neighbour (another user's job, another scheduler autogroup)
         assert all(os.getsid(p.pid) == p.pid != os.getsid(0) for p in procs)
     assert all(p.poll() is not None for p in procs)
+
+
+class _Node:
+    pass
+
+
+def _cycle():
+    """A weak reference to one of two objects that only refer to each other (garbage for the collector)."""
+    import weakref
+
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+
+def test_load_collection_looks_at_the_load_objects_only():
+    """spare_old_objects hides what was alive before the load from release_load_memory's collection (the
+    imports' objects are not the load's garbage); the load's own garbage cycles are collected, and the old
+    objects are back under the collector afterwards."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    old = _cycle()
+    cpu_runtime.spare_old_objects()
+    assert gc.get_freeze_count() > 0
+    new = _cycle()  # garbage made by "the load"
+    cpu_runtime.release_load_memory(trim=False)
+    assert new() is None and old() is not None
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert old() is None
+
+
+def test_load_collection_leaves_objects_frozen_by_the_process_alone():
+    import gc
+
+    old = _cycle()
+    gc.freeze()
+    try:
+        cpu_runtime.spare_old_objects()
+        cpu_runtime.release_load_memory(trim=False)
+        gc.collect()
+        assert old() is not None  # still frozen: fw did not unfreeze what it had not frozen
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert old() is None

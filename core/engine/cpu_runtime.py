@@ -79,7 +79,8 @@ def tune_malloc() -> bool:
     return ok
 
 
-def _libc() -> ctypes.CDLL:
+@functools.cache
+def _libc() -> ctypes.CDLL:  # once: find_library runs ldconfig in a subprocess, and every arena chunk asks
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -103,13 +104,32 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return madvise(first, last - first, _MADV_HUGEPAGE) == 0
 
 
-def release_load_memory() -> bool:
+_froze_for_load = False  # set by `spare_old_objects`, cleared by `release_load_memory`
+
+
+def spare_old_objects() -> None:
+    """Before loading: hide the objects alive now (the imports' modules, classes and functions, most of a
+    process's objects) from the collector until `release_load_memory`, whose collection then looks only at
+    what the load made; its garbage is the load's. Leaves a process that froze objects itself alone."""
+    global _froze_for_load
+    if not _froze_for_load and gc.get_freeze_count() == 0:
+        gc.freeze()
+        _froze_for_load = True
+
+
+def release_load_memory(trim: bool = True) -> bool:
     """After loading: collect the loader's garbage (which may hold the checkpoint's file mapping) and give
     the heap's free memory back to the kernel. Why: `tune_malloc` keeps freed blocks for reuse, so the
     temporaries of reading, dequantizing and repacking weights (hundreds of MB) would otherwise stay
-    resident for the server's life. True if the heap was trimmed."""
-    gc.collect()
-    if not _enabled():
+    resident for the server's life. True if the heap was trimmed. `trim=False` (a model on a GPU) only
+    ends `spare_old_objects`."""
+    global _froze_for_load
+    if trim or _froze_for_load:
+        gc.collect()
+    if _froze_for_load:  # the older objects go back under the collector, as the oldest generation
+        gc.unfreeze()
+        _froze_for_load = False
+    if not trim or not _enabled():
         return False
     try:
         return _libc().malloc_trim(0) == 1

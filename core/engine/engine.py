@@ -17,7 +17,7 @@ import torch
 from fw.config import EngineConfig, parse_size
 from fw.distributed.cluster import Cluster
 from fw.engine.block_manager import BlockManager
-from fw.engine.cpu_runtime import release_load_memory, tune_malloc
+from fw.engine.cpu_runtime import release_load_memory, spare_old_objects, tune_malloc
 from fw.engine.detokenizer import IncrementalDetokenizer
 from fw.engine.intake import request_id_and_ids
 from fw.engine.model_runner import ModelRunner
@@ -56,6 +56,7 @@ class LLMEngine:
         self.startup_report = startup.begin()
         if not str(config.device).startswith("cuda"):
             tune_malloc()  # before loading: activations then reuse heap blocks instead of page-faulting
+            spare_old_objects()  # release_load_memory's collection then looks at the load's objects only
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
@@ -87,8 +88,7 @@ class LLMEngine:
                 self.cluster.drive(self.runner, num_blocks)
         # --enable-lora: adapters on the base model's linear layers, named per request (fw.lora)
         self.lora = self._start_lora(config, loaded)
-        if loaded.device.type == "cpu":
-            release_load_memory()
+        release_load_memory(trim=loaded.device.type == "cpu")
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.step_tokens, config.chunk_size)
         self.scheduler.max_loras = config.max_loras if self.lora is not None else None  # adapters per batch
         self.sampler = SamplerPipeline(self.plugins.registry("sampler"), config.sampling_backend)

@@ -211,8 +211,9 @@ class DecoderModel(nn.Module):
                  norm: nn.Module | None = None):
         super().__init__()
         cfg = as_model_config(cfg).require("norm_eps")  # a transformers config from a pre-1.5 plugin
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        # an empty weight the checkpoint fills: nn.Embedding's own random init is start-up time for nothing
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype))
         head_dim = head_dim or cfg.head_dim
         self.rotary = RotaryEmbedding(cfg, head_dim, max_positions, ctx.dtype)
         self.layers = nn.ModuleList(layers)
