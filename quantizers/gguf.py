@@ -30,13 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.errors import ModelLoadError
-from fw.layers import packed_int, packed_record
-from fw.layers.dense import dense_linear, dense_logits, pack_dense_weight
-from fw.layers.gguf_weight import GGUFWeight
-from fw.layers.linear import Linear, LinearMethod
+from fw.layers import (GGUFWeight, Linear, LinearMethod, dense_linear, dense_logits, pack_dense_weight, packed_int,
+                       packed_record)
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.2"  # verified_on
+FW_PLUGIN_API_VERSION = "1.8"  # fw.layers.GGUFWeight, dense_logits
 
 logger = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ CORE_TO_TOOLING_IN_FUNCTIONS = {
 SILENT_LOCAL_IMPORTS = {
     "architectures/transformers_fallback.py": 5, "backends/attention/cpu_paged.py": 2,
     "backends/attention/flex.py": 3, "backends/attention/triton_backend.py": 1,
-    "backends/grammar/outlines_backend.py": 6, "backends/grammar/outlines_regex.py": 1,
-    "backends/grammar/outlines_schema.py": 1, "backends/grammar/xgrammar_backend.py": 5,
+    "backends/grammar/outlines_backend.py": 5, "backends/grammar/outlines_regex.py": 1,
+    "backends/grammar/outlines_schema.py": 1, "backends/grammar/xgrammar_backend.py": 4,
     "backends/grammar/xgrammar_schema.py": 1, "core/__init__.py": 1, "core/bench/embed.py": 5,
     "core/bench/hf_baseline.py": 2, "core/bench/kernels.py": 14, "core/bench/llamacpp_python.py": 1,
     "core/bench/lora.py": 7, "core/bench/offline.py": 9, "core/bench/parallel.py": 8, "core/bench/plot.py": 4,
@@ -60,7 +60,7 @@ SILENT_LOCAL_IMPORTS = {
     "core/testing/models.py": 7, "core/testing/moe.py": 3, "core/testing/pipeline.py": 2,
     "core/testing/pytest_plugin.py": 3, "core/testing/quantization.py": 3, "core/testing/samplers.py": 7,
     "core/testing/suite.py": 6, "core/warm/__init__.py": 1, "core/warm/collect.py": 3, "core/warm/cpp.py": 5,
-    "core/warm/grammar.py": 4, "core/warm/model.py": 8, "core/warm/resolve.py": 4, "core/warm/verify.py": 1,
+    "core/warm/grammar.py": 3, "core/warm/model.py": 8, "core/warm/resolve.py": 4, "core/warm/verify.py": 1,
     "quantizers/_packing.py": 2, "quantizers/bitsandbytes.py": 1, "quantizers/bnb_cpu_kernel.py": 1,
     "quantizers/fp8.py": 1, "quantizers/gguf.py": 4,
 }

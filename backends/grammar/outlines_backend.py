@@ -40,11 +40,10 @@ import torch
 
 from fw.backends.grammar.outlines_regex import choice_regex
 from fw.backends.grammar.outlines_schema import SchemaError, schema_to_regex
-from fw.grammar import Constraint, GrammarError, GrammarTokenizer
+from fw.grammar import Constraint, GrammarError, GrammarTokenizer, KeptGrammars
 from fw.plugins import GrammarBackendSpec, hookimpl
-from fw.warm.grammar import KeptGrammars
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.8"  # fw.grammar.KeptGrammars
 NAME = "outlines"
 
 # outlines-core's default: at most one space between JSON tokens.
@@ -250,9 +249,8 @@ class OutlinesCompiler:
         index = self.compile(constraint).index
         data = index.__reduce__()[1][0]  # the Index's own binary form (what pickling it stores)
         self._kept.save(constraint, data)
-        from fw.warm.grammar import size_text
-
-        return f"compiled in {(time.perf_counter() - start) * 1000:.0f} ms, kept ({size_text(len(data))})"
+        seconds = time.perf_counter() - start
+        return f"compiled in {seconds * 1000:.0f} ms, kept ({self._kept.size_text(len(data))})"
 
     def regex_for(self, constraint: Constraint) -> str:
         """The regex a constraint compiles to (GrammarError for what this backend cannot express)."""

@@ -37,11 +37,10 @@ from typing import Any, Sequence
 import torch
 
 from fw.backends.grammar.xgrammar_schema import error_reason, prepare_schema
-from fw.grammar import Constraint, GrammarError, GrammarTokenizer
+from fw.grammar import Constraint, GrammarError, GrammarTokenizer, KeptGrammars
 from fw.plugins import GrammarBackendSpec, hookimpl
-from fw.warm.grammar import KeptGrammars
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.8"  # fw.grammar.KeptGrammars
 NAME = "xgrammar"
 ANY_WHITESPACE = False
 # xgrammar's own cache of compiled grammars, bounded (fw's GrammarService keeps an LRU of the hot ones).
@@ -142,15 +141,13 @@ class XGrammarCompiler:
         start = time.perf_counter()
         compiled = self.compile(constraint).compiled
         compile_s = time.perf_counter() - start
-        from fw.warm.grammar import size_text
-
         data = compiled.serialize_json()
         start = time.perf_counter()
         self._xgr.CompiledGrammar.deserialize_json(data, self.info)
         load_s = time.perf_counter() - start
         keep = load_s < compile_s
         self._kept.save(constraint, data.encode() if keep else b"")
-        return (f"compiled in {compile_s * 1000:.0f} ms, kept ({size_text(len(data))}, loads in "
+        return (f"compiled in {compile_s * 1000:.0f} ms, kept ({self._kept.size_text(len(data))}, loads in "
                 f"{load_s * 1000:.0f} ms)" if keep else
                 f"compiled in {compile_s * 1000:.0f} ms; not kept: loading takes {load_s * 1000:.0f} ms")
 

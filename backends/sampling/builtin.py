@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from fw.layers import cpu_ops
 from fw.plugins import SamplerSpec, hookimpl
-from fw.sampling.batch import SamplingBatch
+from fw.sampling.batch import SamplingBatch, argmax
 
-FW_PLUGIN_API_VERSION = "1.0"
+FW_PLUGIN_API_VERSION = "1.8"  # fw.sampling.batch.argmax
 NEG_INF = float("-inf")
 
 
@@ -133,7 +132,7 @@ class DefaultChoice:
     seed gives the same tokens whatever else is in the batch."""
 
     def choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = cpu_ops.argmax(logits) if cpu_ops.usable(logits) else logits.argmax(dim=-1)
+        greedy = argmax(logits)
         if all(p.greedy for p in batch.params):
             return greedy
         probs = logits.softmax(dim=-1)

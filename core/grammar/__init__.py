@@ -1,9 +1,11 @@
 """Structured output: the grammar-backend contract, the constraint a request
-carries, and the service that compiles constraints and masks logits."""
+carries, the compiled grammars kept on disk, and the service that compiles
+constraints and masks logits."""
 
 from fw.grammar.constraint import CONSTRAINT_KINDS, Constraint, StructuredOutputsParams
 from fw.grammar.contract import CompiledGrammar, GrammarCompiler, GrammarError, GrammarMatcher
 from fw.grammar.bitmask import allocate_token_bitmask, apply_token_bitmask, bitmask_to_bool
+from fw.grammar.kept import GrammarStore, KeptGrammars
 from fw.grammar.tokenizer import GrammarTokenizer
 
 __all__ = [
@@ -18,4 +20,6 @@ __all__ = [
     "apply_token_bitmask",
     "bitmask_to_bool",
     "GrammarTokenizer",
+    "GrammarStore",
+    "KeptGrammars",
 ]

@@ -10,8 +10,9 @@ from fw.layers.blocks import (ACTIVATIONS, FUSED_PROJECTIONS, DecoderModel, Gate
                               PreNormDecoderLayer, SelfAttention)
 from fw.layers.causal_lm import CausalLM
 from fw.layers.context import ModelContext
-from fw.layers.dense import dense_linear, pack_dense_weight
+from fw.layers.dense import dense_linear, dense_logits, pack_dense_weight
 from fw.layers.encoder import BidirectionalAttention, EncoderMetadata
+from fw.layers.gguf_weight import GGUFWeight
 from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod
 from fw.layers.moe import (GATED_EXPERT_NAMES, MIXTRAL_EXPERT_NAMES, FusedExperts, MoeKernel, SparseMoeBlock,
                            TopKRouter, load_moe_weights, topk_routing)
@@ -35,7 +36,9 @@ __all__ = [
     "BidirectionalAttention",
     "EncoderMetadata",
     "dense_linear",
+    "dense_logits",
     "pack_dense_weight",
+    "GGUFWeight",
     "Linear",
     "LinearMethod",
     "UnquantizedLinearMethod",

@@ -72,11 +72,13 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.layers.attention.AttentionMetadata", "use"),
     ("fw.layers.context.ModelContext", "use"),
     ("fw.sampling.batch.SamplingBatch", "use"),
+    ("fw.sampling.batch.argmax", "use"),
     ("fw.sampling.params.SamplingParams", "use"),
     ("fw.sampling.params.SamplerRequest", "use"),
     ("fw.grammar.constraint.Constraint", "use"),
     ("fw.grammar.tokenizer.GrammarTokenizer", "use"),
     ("fw.grammar.contract.GrammarError", "use"),
+    ("fw.grammar.kept.KeptGrammars", "use"),
     ("fw.tool_parsing.ToolCall", "use"),
     ("fw.warm.artifact.WarmItem", "use"),
     ("fw.warm.artifact.WarmContext", "use"),
@@ -101,6 +103,9 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.layers.moe.FusedExperts", "use"),
     ("fw.layers.moe.load_moe_weights", "use"),
     ("fw.layers.moe.topk_routing", "use"),
+    # how a plugin builds and loads its C++ kernels (docs/plugin-authors/loading.md)
+    ("fw.cpp_ops.load_cpp_ops", "use"),
+    ("fw.cpp_ops.unavailable", "use"),
     # the test kit plugin authors' tests call (docs/plugin-testing.md#helpers)
     ("fw.testing.suite.conformance_suite", "use"),
     ("fw.testing.models.tokenizer", "use"),

@@ -7,7 +7,14 @@ from functools import cached_property
 
 import torch
 
+from fw.layers import cpu_ops
 from fw.sampling.params import SamplingParams
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its first maximum, as `logits.argmax(dim=-1)` gives it: what greedy rows take.
+    fw's one-pass CPU kernel where it applies (2-D rows on the CPU, fw's C++ ops loaded), else torch's."""
+    return cpu_ops.argmax(logits) if cpu_ops.usable(logits) else logits.argmax(dim=-1)
 
 
 class SamplingBatch:
