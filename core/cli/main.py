@@ -64,10 +64,19 @@ def _strict_flag(argv: list[str]) -> bool | None:
     return True if "--strict-plugins" in argv else None
 
 
+def _lists_plugins(argv: list[str]) -> bool:
+    """`fw [--log-level LEVEL] plugins list ...`."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("--log-level"):
+        i += 1 if "=" in argv[i] else 2
+    return argv[i:i + 2] == ["plugins", "list"]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     plugins = None
-    if not any(a in ("--version", "-h", "--help") for a in argv[:1]):
+    # `fw plugins list` loads the plugins itself, and only when its record of them is out of date
+    if not any(a in ("--version", "-h", "--help") for a in argv[:1]) and not _lists_plugins(argv):
         from fw.plugins.manager import get_plugin_manager
 
         try:

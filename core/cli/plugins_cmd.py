@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import sys
+import warnings
 
 from fw.plugins.specs import KINDS
 
@@ -42,7 +46,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fw.plugins.manager import get_plugin_manager
+    from fw.plugins.manager import rows_of_kind
 
     if args.plugins_command == "new":
         return run_new(args)
@@ -50,15 +54,53 @@ def run(args: argparse.Namespace) -> int:
         print("usage: fw plugins list [--json] [--kind KIND] | fw plugins new --kind KIND NAME [--output DIR] "
               "[--hf-class CLASS] | fw plugins new --example NAME")
         return 2
-    manager = get_plugin_manager()
-    if args.custom_architectures:
-        manager.add_custom_architectures(args.custom_architectures)
-    rows = with_hf_architectures(manager.inventory(args.kind), manager.registry("architecture"))
+    rows, served = listed_plugins(args)
+    rows = with_hf_architectures(rows_of_kind(rows, args.kind), served)
     if args.json:
         print(json.dumps({"plugins": rows}, indent=2))
     else:
         print(format_table(rows))
-    return 0  # with --strict-plugins, `fw` has already exited non-zero if any plugin failed
+    return 0  # with --strict-plugins, a failed plugin has raised PluginLoadError: `fw` exits non-zero
+
+
+def listed_plugins(args: argparse.Namespace) -> tuple[list[dict], dict[str, list[str]]]:
+    """Every plugin's inventory row, and each architecture's Hugging Face class names: from the recorded
+    listing while it holds (fw.plugins.listing_record), else by loading the plugins (then recorded).
+    --strict-plugins or FW_STRICT_PLUGINS: a failed plugin raises PluginLoadError either way."""
+    from fw.plugins import listing_record
+    from fw.plugins.manager import _env_flag, get_plugin_manager, raise_for_failures
+
+    strict = args.strict_plugins or _env_flag("FW_STRICT_PLUGINS")
+    found = None if args.custom_architectures else listing_record.recorded()
+    if found is not None:
+        rows, served, notes = found  # the failed plugins were loaded again, and said so as a full load does
+        sys.stderr.write(notes)
+        for row in rows:
+            for warning in row["warnings"]:
+                warnings.warn(f"fw plugin {row['name']} ({row['distribution']}) {warning}", stacklevel=2)
+        if strict:
+            raise_for_failures(rows)
+        return rows, served
+    manager = get_plugin_manager(strict=strict or None)
+    if args.custom_architectures:
+        manager.add_custom_architectures(args.custom_architectures)
+    rows = manager.inventory()
+    served = {spec.name: list(spec.hf_architectures) for spec in manager.registry("architecture")}
+    notes = _parser_warnings(manager)
+    sys.stderr.write(notes)
+    if not args.custom_architectures:
+        listing_record.record(rows, served, notes)
+    return rows, served
+
+
+def _parser_warnings(manager) -> str:
+    """What the plugins' CLI hooks print while fw's parser is built with them: `fw` builds this command's
+    parser without plugins, and a listing should still show a plugin whose options fail."""
+    from fw.cli.main import build_parser
+
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        build_parser(manager)
+    return err.getvalue()
 
 
 def run_new(args: argparse.Namespace) -> int:
@@ -90,12 +132,12 @@ def run_new(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_hf_architectures(rows: list[dict], architectures) -> list[dict]:
+def with_hf_architectures(rows: list[dict], served: dict[str, list[str]]) -> list[dict]:
     """Each row with `hf_architectures`: per architecture it provides, the Hugging Face class names
-    (config.json "architectures") it serves; empty for a fallback that serves whatever is asked."""
+    (config.json "architectures") it serves (`served`); empty for a fallback that serves whatever is asked."""
     for row in rows:
         names = row["provides"].get("architecture", [])
-        row["hf_architectures"] = {n: list(architectures.get(n).hf_architectures) for n in names if n in architectures}
+        row["hf_architectures"] = {n: list(served[n]) for n in names if n in served}
     return rows
 
 

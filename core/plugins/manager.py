@@ -233,10 +233,8 @@ class PluginManager:
             winner.overrides.setdefault(kind, []).append(f"{spec.name} (from {registration.overrides[-1]})")
 
     def raise_if_strict(self) -> None:
-        failed = [p for p in self.plugins.values() if p.error]
-        if self.strict and failed:
-            lines = "; ".join(f"{p.name} ({p.distribution}): {p.error}" for p in failed)
-            raise PluginLoadError(f"--strict-plugins: {len(failed)} plugin(s) failed to load: {lines}")
+        if self.strict:
+            raise_for_failures(self.inventory())
 
     # -- custom architectures (--custom-architectures) ------------------------------
 
@@ -273,15 +271,24 @@ class PluginManager:
         return [p for p in self.plugins.values() if p.error]
 
     def inventory(self, kind: str | None = None) -> list[dict]:
-        rows = []
-        for info in self.plugins.values():
-            row = info.to_dict()
-            if kind is not None:
-                if kind not in info.provides and info.error is None:
-                    continue
-                row["provides"] = {kind: info.provides.get(kind, [])}
-            rows.append(row)
+        return rows_of_kind([info.to_dict() for info in self.plugins.values()], kind)
+
+
+def rows_of_kind(rows: list[dict], kind: str | None) -> list[dict]:
+    """Inventory rows of the plugins providing `kind` (and of those that failed), each showing only that
+    kind; all rows when `kind` is None."""
+    if kind is None:
         return rows
+    return [{**row, "provides": {kind: row["provides"].get(kind, [])}} for row in rows
+            if kind in row["provides"] or row["error"] is not None]
+
+
+def raise_for_failures(rows: list[dict]) -> None:
+    """Strict mode's error, naming every plugin that failed, if any row shows a failure."""
+    failed = [row for row in rows if row["error"]]
+    if failed:
+        lines = "; ".join(f"{r['name']} ({r['distribution']}): {r['error']}" for r in failed)
+        raise PluginLoadError(f"--strict-plugins: {len(failed)} plugin(s) failed to load: {lines}")
 
 
 def import_custom_module(ref: str):
