@@ -71,6 +71,38 @@ def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m):
     assert (got - exact).norm() < 0.2 * (one_term - exact).norm()
 
 
+def test_a_row_parallel_slice_chooses_heavy_blocks_against_the_whole_row():
+    """A tensor-parallel rank of a row-parallel layer holds half of each row's blocks. Given the whole row's
+    sum of squared scales (fw.layers.parallel.WholeRows: the ranks' sums added, here by hand) it takes the
+    residual term in the blocks one process would, so the two halves add up to the one-process reference;
+    against its half's own mean it chooses others (block 14, a moderate outlier, counts as heavy in its half)."""
+    from fw.layers.parallel import WholeRows
+
+    gen = torch.Generator().manual_seed(5)
+    m, n, k = 64, 96, 576
+    blocks = _blocks(4, n, k, gen)
+    x = torch.randn(m, k, generator=gen)
+    x[:, [7, 100]] = 40 * torch.randn(m, 2, generator=gen).sign()  # blocks 0 and 3: the left half
+    x[:, 450] = 12 * torch.randn(m, generator=gen).sign()  # block 14: heavy against the right half's mean only
+    half, kb = k // 2, k // 64
+    parts = [(x[:, :half].contiguous(), packed_int.QuantBlocks(4, blocks.codes[:, :half].contiguous(),
+                                                               blocks.scale[:, :kb].contiguous(),
+                                                               blocks.offset[:, :kb].contiguous())),
+             (x[:, half:].contiguous(), packed_int.QuantBlocks(4, blocks.codes[:, half:].contiguous(),
+                                                               blocks.scale[:, kb:].contiguous(),
+                                                               blocks.offset[:, kb:].contiguous()))]
+    squares = [packed_int.row_scale_squares(xs) for xs, _ in parts]
+    whole = WholeRows(k, lambda own: squares[0] + squares[1])
+    emulated = packed_int.reference_linear(x, blocks)  # one process: the whole row's mean
+
+    def split(whole_rows) -> torch.Tensor:
+        return sum(packed_int.packed_linear(xs, [packed_int.pack(b)], fp32_out=True, whole_rows=whole_rows).double()
+                   for xs, b in parts)
+
+    assert (split(whole) - emulated).abs().max() <= 1e-5 * emulated.abs().max()
+    assert (split(None) - emulated).abs().max() > 1e-4 * emulated.abs().max()
+
+
 def test_rows_of_an_8bit_weight_are_its_dequantized_rows():
     """PackedRowEmbedding (a tied Q8_0 embedding read from the head's packed blocks) gives exactly the
     dequantized rows, in any order and at tile edges of a row count that is no multiple of 16."""

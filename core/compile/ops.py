@@ -133,7 +133,8 @@ def _dense_bf16_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
 
 
-def _packed_int_fake(x: torch.Tensor, weight: torch.Tensor, rows: int, fp32_out: bool = False) -> torch.Tensor:
+def _packed_int_fake(x: torch.Tensor, weight: torch.Tensor, rows: int, fp32_out: bool = False,
+                     whole_row_squares: torch.Tensor | None = None, whole_row_blocks: int = 0) -> torch.Tensor:
     return x.new_empty(x.shape[0], rows, dtype=torch.float32 if fp32_out else x.dtype)
 
 

@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "fw_simd.h"  // load16 (fw/csrc, on the include path of fw.cpp_ops builds)
@@ -117,14 +118,18 @@ struct Acts {
 // A row's heavy blocks: those whose squared first-term scale is at least HEAVY_FACTOR times the row's mean over
 // its blocks (so at most KB / HEAVY_FACTOR of them). The first term's rounding error in a block grows with its
 // scale, and a few blocks holding outlier channels carry most of it; their residual term removes it there.
-void mark_heavy_blocks(int64_t M, int64_t KB, QuantizedRows& out) {
+// `whole` (a tensor-parallel rank's slice of each row): row r's sum of squared scales over the whole row, of
+// `whole_blocks` blocks, so the rank chooses the blocks one process would (the mean is the whole row's).
+void mark_heavy_blocks(int64_t M, int64_t KB, QuantizedRows& out, const double* whole, int64_t whole_blocks) {
   out.heavy.resize(size_t(M * KB));
+  const double blocks = double(whole ? whole_blocks : KB);
   for (int64_t r = 0; r < M; ++r) {
     const float* scale = out.scale.data() + 2 * r * KB;  // the row's first term
     double total = 0.0;
-    for (int64_t b = 0; b < KB; ++b) total += double(scale[b]) * double(scale[b]);
+    if (whole) total = whole[r];
+    else for (int64_t b = 0; b < KB; ++b) total += double(scale[b]) * double(scale[b]);
     for (int64_t b = 0; b < KB; ++b)
-      out.heavy[size_t(r * KB + b)] = double(scale[b]) * double(scale[b]) * double(KB) >= HEAVY_FACTOR * total;
+      out.heavy[size_t(r * KB + b)] = double(scale[b]) * double(scale[b]) * blocks >= HEAVY_FACTOR * total;
   }
 }
 
@@ -132,8 +137,7 @@ void mark_heavy_blocks(int64_t M, int64_t KB, QuantizedRows& out) {
 // s1 = amax / 127, then the rounding residual x - s1 q1 (at most s1 / 2) as codes q2 with scale s1 / 254, so
 // s1 q1 + s2 q2 is x within amax / 64,516: rows 2r and 2r + 1 of the output hold row r's two terms.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, bool residual, bool selective,
-                   QuantizedRows& out) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, bool residual, QuantizedRows& out) {
   const int64_t KB = K / BLOCK, terms = residual ? 2 : 1;
   out.codes.resize(size_t(terms * M * K));
   out.scale.resize(size_t(terms * M * KB));
@@ -171,7 +175,6 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128
       }
     }
   });
-  if (selective) mark_heavy_blocks(M, KB, out);
 }
 
 inline __m512 load_half16(const uint8_t* p) {
@@ -404,7 +407,8 @@ const uint16_t* bf16_rows(const at::Tensor& x, std::vector<uint16_t>& copy, int6
 }
 #endif
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool fp32_out, int kind_index) {
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool fp32_out, int kind_index,
+                  const std::optional<at::Tensor>& whole_row_squares = std::nullopt, int64_t whole_row_blocks = 0) {
   static const char* names[] = {"linear_q4", "linear_q8", "linear_f8"};
   const char* op = names[kind_index];
   const Kind kind = kind_index == 0 ? Kind::Q4 : kind_index == 1 ? Kind::Q8 : Kind::F8;
@@ -422,10 +426,21 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   if (kind == Kind::F8) {
     a.bf16 = bf16_rows(x, rounded, a.ld);
   } else {
-    const bool q8 = kind == Kind::Q8, residual = kind == Kind::Q4, selective = run_kind == Kind::Q4;
+    const bool q8 = kind == Kind::Q8, residual = kind == Kind::Q4;
     if (x.scalar_type() == at::kFloat)
-      quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, residual, selective, q);
-    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, residual, selective, q);
+      quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, residual, q);
+    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, residual, q);
+    if (run_kind == Kind::Q4) {
+      const double* whole = nullptr;
+      if (whole_row_squares.has_value()) {
+        const at::Tensor& t = *whole_row_squares;
+        TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 1 && t.size(0) == M && t.is_contiguous(), op,
+                    ": whole_row_squares must be a contiguous float64 vector of one value per row of x");
+        TORCH_CHECK(whole_row_blocks >= K / BLOCK, op, ": whole_row_blocks must count the whole row's blocks");
+        whole = t.const_data_ptr<double>();
+      }
+      mark_heavy_blocks(M, K / BLOCK, q, whole, whole_row_blocks);
+    }
     a.q = &q;
   }
   const bool write_fp32 = out.scalar_type() == at::kFloat;
@@ -440,8 +455,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   return out;
 }
 
-at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out) {
-  return linear(x, w, N, fp32_out, 0);
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out,
+                     const std::optional<at::Tensor>& whole_row_squares, int64_t whole_row_blocks) {
+  return linear(x, w, N, fp32_out, 0, whole_row_squares, whole_row_blocks);
 }
 
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out) {
@@ -459,7 +475,8 @@ TORCH_LIBRARY(fw_packed_int, m) {
   m.impl("available", TORCH_FN(available));
   m.def("f8_available() -> bool");
   m.impl("f8_available", TORCH_FN(f8_available));
-  m.def("linear_q4(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor w, int N, bool fp32_out=False, Tensor? whole_row_squares=None, "
+        "int whole_row_blocks=0) -> Tensor");
   m.impl("linear_q4", c10::DispatchKey::CPU, TORCH_FN(linear_q4));
   m.def("linear_q8(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
   m.impl("linear_q8", c10::DispatchKey::CPU, TORCH_FN(linear_q8));

@@ -184,16 +184,25 @@ def pack(blocks: QuantBlocks | Fp8Blocks) -> PackedWeight:
     return PackedWeight(blocks.bits, n, k, data)
 
 
-def packed_linear(x: torch.Tensor, weights: list[PackedWeight], fp32_out: bool = False) -> torch.Tensor:
-    """x [..., K] times the packed weights stacked by rows (a fused layer may hold several formats)."""
-    if len(weights) == 1 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):  # the decode step's case
+def packed_linear(x: torch.Tensor, weights: list[PackedWeight], fp32_out: bool = False,
+                  whole_rows=None) -> torch.Tensor:
+    """x [..., K] times the packed weights stacked by rows (a fused layer may hold several formats).
+    `whole_rows` (fw.layers.parallel.WholeRows): x holds one tensor-parallel rank's slice of each row."""
+    if (len(weights) == 1 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)  # the decode step's case
+            and not _needs_whole_rows(weights, x.shape[0], whole_rows)):
         w = weights[0]
         return _OPS[w.bits](x, w.data, w.rows, fp32_out)
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if flat.dtype not in (torch.float32, torch.bfloat16):
         flat = flat.float()
-    outs = [_OPS[w.bits](flat, w.data, w.rows, fp32_out) for w in weights]
+    if _needs_whole_rows(weights, flat.shape[0], whole_rows):
+        # the heavy blocks (4-bit, above RESIDUAL_MAX_ROWS) are chosen against the whole row's mean, as one process
+        squares, blocks = whole_rows.sum(row_scale_squares(flat)), whole_rows.features // BLOCK
+        outs = [_OPS[w.bits](flat, w.data, w.rows, fp32_out, squares, blocks) if w.bits == 4 else
+                _OPS[w.bits](flat, w.data, w.rows, fp32_out) for w in weights]
+    else:
+        outs = [_OPS[w.bits](flat, w.data, w.rows, fp32_out) for w in weights]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if not fp32_out and out.dtype != x.dtype:
         out = out.to(x.dtype)
@@ -202,13 +211,27 @@ def packed_linear(x: torch.Tensor, weights: list[PackedWeight], fp32_out: bool =
 
 def layer_forward(layer, x: torch.Tensor) -> torch.Tensor:
     """A quantized `Linear` whose method repacked it (`layer.packed_int`): its product, in fp32 where the layer
-    asks for it (an LM head), plus its bias. Every method on the kernels applies through here."""
-    out = packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out)
+    asks for it (an LM head), plus its bias. Every method on the kernels applies through here. A row-parallel
+    layer (`layer.whole_rows`) passes what its rank needs to choose heavy blocks as one process would."""
+    out = packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out, whole_rows=getattr(layer, "whole_rows", None))
     return out if layer.bias is None else out + layer.bias
 
 
 RESIDUAL_MAX_ROWS = 8  # packed_int.cpp's: up to this many rows 4-bit products take the residual term
 HEAVY_FACTOR = 3.0  # packed_int.cpp's: above them, a row's blocks with scale^2 >= this x the row's mean take it
+
+
+def _needs_whole_rows(weights: list[PackedWeight], rows: int, whole_rows) -> bool:
+    return whole_rows is not None and rows > RESIDUAL_MAX_ROWS and any(w.bits == 4 for w in weights)
+
+
+def row_scale_squares(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> [M] float64: each row's sum over its blocks of the squared first-term scale (amax / 127 in
+    float32, as the kernel computes it). Summed over the tensor-parallel ranks, it is the whole row's, whose
+    mean decides the heavy blocks."""
+    m, k = x.shape
+    scale = x.float().view(m, k // BLOCK, BLOCK).abs().amax(-1) / 127
+    return (scale.double() ** 2).sum(-1)
 
 
 def quantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:

@@ -15,6 +15,9 @@ their own way, so they are refused by name rather than cut at a wrong boundary."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from fw.distributed.group import tensor_parallel_of
@@ -74,6 +77,16 @@ class ColumnParallelLinear(Linear):
         super().load_weight(param_name, tensor, shard)
 
 
+@dataclass(frozen=True)
+class WholeRows:
+    """What a row-parallel rank knows of its input rows beyond its slice: how many features a whole row has, and
+    how to sum a per-row statistic over the ranks. For kernels whose numerics read the whole row (fw's packed-int
+    kernels choose each row's heavy blocks against the row's mean), so a rank decides as one process would."""
+
+    features: int
+    sum: Callable[[torch.Tensor], torch.Tensor]
+
+
 class RowParallelLinear(Linear):
     """Each rank holds input columns [rank*n, (rank+1)*n), or `input_slice` (start, length), and the
     output is summed over the ranks. `input_size` is the whole model's. `reduce_results=False` leaves
@@ -88,6 +101,7 @@ class RowParallelLinear(Linear):
             input_slice = (tp.rank * n, n)
         super().__init__(input_slice[1], output_size, ctx, prefix, bias)
         self.tp, self.input_start, self.reduce_results = tp, input_slice[0], reduce_results
+        self.whole_rows = WholeRows(input_size, tp.all_reduce) if tp.size > 1 else None
         _check_dense(self)
 
     def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
