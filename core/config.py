@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fw import env
 from fw.errors import ConfigError
 from fw.speculative.config import SpeculativeConfig
 
@@ -510,7 +511,7 @@ def resolve_config(
     fields = {f.name: tp for f, tp in _fields(cls)}
     others = {f.name for other in shares_file_with for f in dataclasses.fields(other)}
     values: dict[str, Any] = {}
-    config_file = config_file or environ.get("FW_CONFIG")
+    config_file = config_file or env.CONFIG.get(environ)
     if config_file:
         for key, value in load_yaml_options(config_file).items():
             if key in others and key not in fields:

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from fw import cpp_build
+from fw import cpp_build, env
 from fw.cpp_build import DEFAULT_CFLAGS, INCLUDE_DIR  # noqa: F401  (re-exported: the kernels' modules use them)
 from fw.errors import FwError
 from fw.paths import cache_dir
@@ -67,7 +67,7 @@ def build_key(source_text: str, cflags: tuple[str, ...]) -> str:
 
 
 def use_installed() -> bool:
-    return os.environ.get("FW_CPP_OPS_INSTALLED", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env.CPP_OPS_INSTALLED.get()
 
 
 def installed(name: str, source: Path, cflags: tuple[str, ...] = DEFAULT_CFLAGS,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from fw import env
 
 
 def cache_dir() -> Path:
     """`$FW_CACHE_DIR`, else `~/.cache/fw`. Plugins put their own subfolder under it."""
-    return Path(os.environ.get("FW_CACHE_DIR") or Path.home() / ".cache" / "fw")
+    return Path(env.CACHE_DIR.get() or Path.home() / ".cache" / "fw")

@@ -27,12 +27,12 @@ docs/choices.md). `lm_head` and `llm_int8_skip_modules` stay unquantized, as in 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from fw import env
 from fw.errors import ModelLoadError, UnsupportedConfigurationError
 from fw.layers import Linear, packed_int
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
@@ -332,7 +332,7 @@ def _state_from_checkpoint(layer: Linear, index: int, parts: dict, mode: str):
 
 def _int8_matmul_forced() -> bool:
     """FW_BNB_INT8_MATMUL=1: bitsandbytes' own LLM.int8 matmul on any device (the CUDA default)."""
-    return os.environ.get("FW_BNB_INT8_MATMUL", "").strip().lower() in ("1", "true", "yes", "on")
+    return env.BNB_INT8_MATMUL.get()
 
 
 class Int8LinearMethod(LinearMethod):

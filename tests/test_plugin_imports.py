@@ -37,6 +37,9 @@ EXCEPTIONS = {
     ("fw.backends.attention.flex", "fw.compile.isolated"):
         "FlexAttention is only fast compiled; compile_isolated gives each key its own recompile budget, the "
         "helper fw.compile's step uses too (it moves with the kernels)",
+    ("fw.quantizers.bitsandbytes", "fw.env"):
+        "its FW_BNB_INT8_MATMUL switch is declared with fw's other FW_* switches in fw.env (one typed list, one "
+        "table in docs/flags.md); a third-party plugin reads its own variables",
     ("fw.backends.speculative.draft_model", "fw.speculative.draft_runner"):
         "the draft_model proposer runs a second fw model beside the target with the engine's own runner, KV "
         "pages and loader: the core's proposer in plugin form, not something a third-party proposer implements",

@@ -9,6 +9,7 @@ import dataclasses
 import os
 from typing import Any
 
+from fw import env
 from fw.config import EngineConfig, env_name, flag_name, load_yaml_options
 
 
@@ -16,7 +17,7 @@ def config_sources(cli: dict[str, Any] | None, config_file: str | None,
                    environ: dict[str, str] | None = None, cls: type = EngineConfig) -> dict[str, dict[str, str]]:
     """field name -> {"source": default | config file | environment | cli, "detail": flag, file or variable}."""
     environ = os.environ if environ is None else environ
-    config_file = config_file or environ.get("FW_CONFIG")
+    config_file = config_file or env.CONFIG.get(environ)
     from_file = load_yaml_options(config_file) if config_file else {}
     out: dict[str, dict[str, str]] = {}
     for f in dataclasses.fields(cls):

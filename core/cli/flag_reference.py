@@ -16,6 +16,7 @@ import sys
 from typing import Any, Iterator
 
 from fw.config import EngineConfig, _fields, env_name, flag_name
+from fw.env import SWITCHES
 
 REGENERATE = "python -m fw.cli.flag_reference > docs/flags.md"
 
@@ -155,7 +156,7 @@ def generate() -> str:
         "plugins are not listed here (they depend on what is installed): `fw COMMAND --help` shows them.",
         "",
         "Contents: [engine options](#engine-options), [server options](#server-options),",
-        "[command options](#command-options).",
+        "[environment switches](#environment-switches), [command options](#command-options).",
         "",
         "## Engine options",
         "",
@@ -167,6 +168,13 @@ def generate() -> str:
     out += _table(header, _config_rows(EngineConfig))
     out += ["", "## Server options", "", "Taken by " + ", ".join(takes["server options"]) + ".", ""]
     out += _table(["flag", "env var", "YAML key", "type", "default", "meaning"], _config_rows(_server_config()))
+    out += ["", "## Environment switches", "",
+            "`FW_*` variables that are not engine options: they act below the engine (the cache, the CPU",
+            "kernels, plugin loading) or before a configuration exists, so they have no flag. Each is",
+            "declared once in `fw.env` and read only through it. A value a switch cannot read is an error",
+            "naming the variable.", ""]
+    out += _table(["variable", "type", "default", "meaning"],
+                  [[_code(s.name), s.kind, s.default_text, _cell(s.doc)] for s in SWITCHES])
     out += ["", "## Command options", "",
             "Options of each command besides the engine and server options above. These have no `FW_*`",
             "variable and no YAML key.", ""]

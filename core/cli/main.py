@@ -43,7 +43,7 @@ def build_parser(plugins=None) -> argparse.ArgumentParser:
                 except Exception as exc:
                     print(f"fw: warning: plugin {impl.plugin_name} failed to add options to {name!r} "
                           f"({type(exc).__name__}: {exc}); they are missing", file=sys.stderr)
-    parser.set_defaults(_commands=commands)
+    parser.set_defaults(_commands=commands, _build_parser=build_parser)  # `fw plugins list` rebuilds it with plugins
     return parser
 
 

@@ -9,7 +9,9 @@ import io
 import json
 import sys
 import warnings
+from typing import Any, Callable
 
+from fw import env
 from fw.plugins.specs import KINDS
 
 # `fw plugins new --kind` values (fw.scaffold.KINDS, listed here so building the parser stays import-light)
@@ -68,9 +70,9 @@ def listed_plugins(args: argparse.Namespace) -> tuple[list[dict], dict[str, list
     listing while it holds (fw.plugins.listing_record), else by loading the plugins (then recorded).
     --strict-plugins or FW_STRICT_PLUGINS: a failed plugin raises PluginLoadError either way."""
     from fw.plugins import listing_record
-    from fw.plugins.manager import _env_flag, get_plugin_manager, raise_for_failures
+    from fw.plugins.manager import get_plugin_manager, raise_for_failures
 
-    strict = args.strict_plugins or _env_flag("FW_STRICT_PLUGINS")
+    strict = args.strict_plugins or env.STRICT_PLUGINS.get()
     found = None if args.custom_architectures else listing_record.recorded()
     if found is not None:
         rows, served, notes = found  # the failed plugins were loaded again, and said so as a full load does
@@ -86,18 +88,18 @@ def listed_plugins(args: argparse.Namespace) -> tuple[list[dict], dict[str, list
         manager.add_custom_architectures(args.custom_architectures)
     rows = manager.inventory()
     served = {spec.name: list(spec.hf_architectures) for spec in manager.registry("architecture")}
-    notes = _parser_warnings(manager)
+    notes = _parser_warnings(manager, args._build_parser)
     sys.stderr.write(notes)
     if not args.custom_architectures:
         listing_record.record(rows, served, notes)
     return rows, served
 
 
-def _parser_warnings(manager) -> str:
+def _parser_warnings(manager, build_parser: Callable[[Any], argparse.ArgumentParser]) -> str:
     """What the plugins' CLI hooks print while fw's parser is built with them: `fw` builds this command's
-    parser without plugins, and a listing should still show a plugin whose options fail."""
-    from fw.cli.main import build_parser
-
+    parser without plugins, and a listing should still show a plugin whose options fail. `build_parser` is
+    fw.cli.main's, handed in through the parsed arguments: the dispatcher imports the commands, never the
+    reverse."""
     with contextlib.redirect_stderr(io.StringIO()) as err:
         build_parser(manager)
     return err.getvalue()

@@ -42,12 +42,13 @@ from typing import Any, Iterator
 
 import torch
 
+from fw import env
 from fw.paths import cache_dir
 
 logger = logging.getLogger("fw.compile")
 
 MANIFEST = "manifest.json"
-_ENV_INPUTS = ("FW_CPU_FUSED_OPS", "FW_CPU_WEIGHT_PACKING", "FW_CPU_PACKED_INT")  # change which ops the graphs hold
+_ENV_INPUTS = (env.CPU_FUSED_OPS, env.CPU_WEIGHT_PACKING, env.CPU_PACKED_INT)  # change which ops the graphs hold
 _MODEL_FILES = ("*.json", "*.safetensors", "*.gguf", "*.bin", "*.pt")
 
 
@@ -124,7 +125,7 @@ def key_inputs(config, plan, buckets, plugins) -> dict[str, Any]:
         "device": _device_identity(plan.device),
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "fw": __version__,
                      "fw.compile": _compile_sources_hash(), "plugins": _plugin_versions(plugins)},
-        "env": {name: os.environ.get(name) for name in _ENV_INPUTS},
+        "env": {switch.name: switch.raw() for switch in _ENV_INPUTS},
     }
 
 

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from fw import env
 from fw.plan.rules import resolve_device
 
 _FLAGS_BYTES = 4096
@@ -106,8 +107,7 @@ class ShmAllReduce:
 
 def wanted(config) -> bool:
     """All ranks on this machine's CPU, an x86-64 one with /dev/shm, and FW_DIST_SHM not 0."""
-    off = os.environ.get("FW_DIST_SHM", "1").strip().lower() in ("0", "false", "no", "off")
-    return (not off and config.nnodes == 1 and supported() and os.path.isdir("/dev/shm")
+    return (env.DIST_SHM.get() and config.nnodes == 1 and supported() and os.path.isdir("/dev/shm")
             and resolve_device(config.device).type == "cpu")
 
 

@@ -50,6 +50,8 @@ from collections.abc import Iterator
 
 import torch
 
+from fw import env
+
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
@@ -61,8 +63,7 @@ _HUGE_PAGE = 2 << 20
 
 
 def _enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("FW_CPU_RUNTIME_TUNING", "1").strip().lower() not in (
-        "0", "false", "no", "off")
+    return sys.platform.startswith("linux") and env.CPU_RUNTIME_TUNING.get()
 
 
 @functools.cache

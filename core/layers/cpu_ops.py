@@ -15,12 +15,12 @@ ops for a CPU model. Where they cannot be built (no compiler), or with
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fw import env
 from fw.cpp_ops import DEFAULT_CFLAGS, try_load_cpp_ops
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ _op: dict[str, Any] = {}  # name -> torch op overload, once built
 
 
 def wanted() -> bool:
-    return os.environ.get("FW_CPU_FUSED_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env.CPU_FUSED_OPS.get()
 
 
 def prepare(device: torch.device | str) -> str | None:

@@ -21,12 +21,12 @@ oneDNN, to compare or to rule a layout out when chasing a numerical difference.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from fw import env
 from fw.cpp_ops import DEFAULT_CFLAGS, try_load_cpp_ops
 from fw.layers import weight_arena
 
@@ -45,10 +45,7 @@ _bf16_state: bool | None = None  # None: not tried yet
 
 def _packing_mode() -> str:
     """'off', 'onednn' (oneDNN for every dtype) or 'auto' (fw's bf16 kernel where it runs)."""
-    value = os.environ.get("FW_CPU_WEIGHT_PACKING", "1").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    return "onednn" if value == "onednn" else "auto"
+    return env.CPU_WEIGHT_PACKING.get()
 
 
 def cpu_packing_available() -> bool:

@@ -20,12 +20,12 @@ docs/quantization.md). fp8 weights
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from fw import env
 from fw.cpp_ops import DEFAULT_CFLAGS, try_load_cpp_ops
 from fw.layers import weight_arena
 
@@ -86,7 +86,7 @@ class PackedWeight:
 def cpu_kernels_enabled() -> bool:
     """`FW_CPU_PACKED_INT` is not 0: quantized weights may run on CPU kernels (fw's here, and a library's own
     fused kernel where a method uses one, as bitsandbytes' 4-bit); 0 keeps every method's reference path."""
-    return os.environ.get("FW_CPU_PACKED_INT", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env.CPU_PACKED_INT.get()
 
 
 def wanted() -> bool:

@@ -23,13 +23,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fw import env
 from fw.paths import cache_dir
 from fw.plugins.hookspecs import ENTRY_POINT_GROUP
 from fw.version import __version__
 
 FORMAT = 1
 # FW_* variables that cannot change what a listing shows (strictness is applied to the rows afterwards)
-_IGNORED_ENV = frozenset({"FW_CACHE_DIR", "FW_STRICT_PLUGINS"})
+_IGNORED_ENV = frozenset({env.CACHE_DIR.name, env.STRICT_PLUGINS.name})
 # errors that follow from the entry points and recorded files alone: no need to load the plugin again
 _SETTLED_ERRORS = ("refused: ", "plugin name ")
 
@@ -99,7 +100,7 @@ def record(rows: list[dict], served: dict[str, list[str]], notes: str = "") -> N
 
 def recorded() -> tuple[list[dict], dict[str, list[str]], str] | None:
     """(rows, served, notes) of the recorded listing if it still holds, else None (then load the plugins)."""
-    if os.environ.get("FW_TRACE_PLUGINS", "").strip().lower() in ("1", "true", "yes", "on"):
+    if env.TRACE_PLUGINS.get():
         return None
     try:
         data = json.loads(record_path().read_text())

@@ -12,7 +12,6 @@ import importlib
 import importlib.metadata as md
 import importlib.util
 import logging
-import os
 import sys
 import traceback
 import warnings
@@ -23,6 +22,7 @@ from typing import Any, Iterable
 
 import pluggy
 
+from fw import env
 from fw.errors import ConfigError, DuplicatePluginNameError, PluginLoadError
 from fw.plugins import hookspecs, tracing
 from fw.plugins.registry import Registry
@@ -76,17 +76,6 @@ class PluginInfo:
         }
 
 
-def _env_list(name: str) -> set[str] | None:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return None
-    return {p.strip() for p in raw.split(",") if p.strip()}
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def check_api_version(target: str | None) -> tuple[str | None, str | None]:
     """Return (refusal, warning) for a plugin that targets API version `target`."""
     if target is None:
@@ -118,13 +107,13 @@ class PluginManager:
         entry_points: Iterable[md.EntryPoint] | None = None,
         trace: bool | None = None,
     ):
-        self.strict = _env_flag("FW_STRICT_PLUGINS") if strict is None else strict
+        self.strict = env.STRICT_PLUGINS.get() if strict is None else strict
         # FW_TRACE_PLUGINS: specs are wrapped at registration, so tracing off costs nothing (fw.plugins.tracing)
         self.trace = tracing.enabled() if trace is None else trace
         if self.trace:
             tracing.enable_logging()
-        self.allow = set(allow) if allow is not None else _env_list("FW_PLUGINS")
-        self.block = set(block) if block is not None else (_env_list("FW_DISABLE_PLUGINS") or set())
+        self.allow = set(allow) if allow is not None else env.PLUGINS.get()
+        self.block = set(block) if block is not None else (env.DISABLE_PLUGINS.get() or set())
         self._entry_points = entry_points
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)

@@ -22,12 +22,13 @@ import dataclasses
 import functools
 import inspect
 import logging
-import os
 import sys
 import time
 from typing import Any, Callable, Iterable
 
-TRACE_ENV = "FW_TRACE_PLUGINS"
+from fw import env
+
+TRACE_ENV = env.TRACE_PLUGINS.name
 logger = logging.getLogger("fw.plugins.trace")
 
 _MARK = "_fw_traced_by"  # set on instrumented objects and traced classes: never wrap twice
@@ -35,8 +36,7 @@ _MARK = "_fw_traced_by"  # set on instrumented objects and traced classes: never
 
 def enabled(environ: dict[str, str] | None = None) -> bool:
     """Whether FW_TRACE_PLUGINS asks for tracing (1, true, yes, on)."""
-    value = (os.environ if environ is None else environ).get(TRACE_ENV, "")
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    return env.TRACE_PLUGINS.get(environ)
 
 
 def enable_logging() -> None:
