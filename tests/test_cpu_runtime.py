@@ -254,7 +254,7 @@ def test_load_collection_looks_at_the_load_objects_only():
     objects are back under the collector afterwards."""
     import gc
 
-    assert gc.get_freeze_count() == 0
+    gc.unfreeze()  # an earlier in-process `fw` command froze its start-up's objects (fw.warm.startup)
     old = _cycle()
     cpu_runtime.spare_old_objects()
     assert gc.get_freeze_count() > 0
@@ -280,3 +280,41 @@ def test_load_collection_leaves_objects_frozen_by_the_process_alone():
         gc.unfreeze()
     gc.collect()
     assert old() is None
+
+
+def test_the_collector_pauses_for_a_start_up_and_freezes_what_it_made():
+    """fw serve / fw generate pause the automatic collector while they start (fw.warm.startup); resuming
+    freezes the start-up's objects and turns it back on, and leaves a collector the caller had turned off."""
+    import gc
+
+    from fw.warm import startup
+
+    startup.pause_collector()
+    assert not gc.isenabled()
+    kept = _cycle()
+    startup.resume_collector()
+    try:
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+        gc.collect()
+        assert kept() is not None  # frozen: start-up's objects are not scanned again
+        gc.disable()
+        startup.pause_collector()
+        startup.resume_collector()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_fw_resumes_the_collector_when_a_start_up_fails(tmp_path, monkeypatch):
+    import gc
+
+    from fw.cli.main import main
+    from fw.warm import startup
+
+    paused = []
+    pause = startup.pause_collector
+    monkeypatch.setattr(startup, "pause_collector", lambda: paused.append(gc.isenabled()) or pause())
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    assert paused == [True] and gc.isenabled()
+    gc.unfreeze()

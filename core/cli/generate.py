@@ -33,6 +33,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fw.warm.startup import pause_collector, resume_collector
+
+    pause_collector()  # until the engine is up (`fw` resumes it if start-up fails)
     from fw.default_model import default_model
     from fw.llm import LLM
     from fw.sampling.params import SamplingParams
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop, ignore_eos=args.ignore_eos,
     )
     llm = LLM(**{k: v for k, v in vars(config).items()})
+    resume_collector()
     prompt: object = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -9,6 +9,7 @@ import sys
 
 from fw.errors import FwError
 from fw.version import PLUGIN_API_VERSION, __version__
+from fw.warm.startup import resume_collector
 
 
 def build_parser(plugins=None) -> argparse.ArgumentParser:
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        resume_collector()  # a command that failed during its start-up leaves the collector as it found it
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ would need a deep re-indent uses `laps()`. An engine starts a new report with
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -142,3 +143,27 @@ def mark_ready() -> float | None:
 def _record(report: StartupReport, name: str, seconds: float) -> None:
     report.add(name, seconds)
     logger.info("startup: %s %.2f s", name, seconds)
+
+
+_collector_paused = False
+
+
+def pause_collector() -> None:
+    """Turn the cyclic garbage collector's automatic passes off for a command's start-up. Why: importing
+    torch and fw and building a model make millions of objects that live as long as the process, and each
+    full pass over them (several run while they are made) finds no garbage. The loader's garbage is
+    collected explicitly (fw.engine.cpu_runtime.release_load_memory); `resume_collector` ends the pause."""
+    global _collector_paused
+    if gc.isenabled():
+        gc.disable()
+        _collector_paused = True
+
+
+def resume_collector() -> None:
+    """End `pause_collector` (a no-op without one): what start-up made is frozen (gc.freeze: never scanned
+    again, as vLLM does once its engine is up), and the collector runs as before for what comes next."""
+    global _collector_paused
+    if _collector_paused:
+        gc.freeze()
+        gc.enable()
+        _collector_paused = False
