@@ -41,8 +41,8 @@ _KV_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 def _causal_lm_class(hf_config) -> tuple[type | None, str | None]:
     """The transformers causal-LM class for the config's `architectures`, or (None, why not)."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    import transformers  # here: transformers costs start-up time (plugin listing loads this module)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # here: as above
 
     names = list(getattr(hf_config, "architectures", None) or [])
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
@@ -145,6 +145,7 @@ def fw_paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
 def register_attention_function() -> None:
     """Register `fw_paged` with transformers (idempotent). No mask function is registered on purpose:
     transformers then skips building masks for this implementation, and fw's backend masks by its metadata."""
+    # here: transformers costs start-up time (plugin listing loads this module)
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, fw_paged_attention)
@@ -161,7 +162,7 @@ class _GivenHidden(nn.Module):
         self.hidden = hidden
 
     def forward(self, *args: Any, **kwargs: Any):
-        from transformers.modeling_outputs import BaseModelOutputWithPast
+        from transformers.modeling_outputs import BaseModelOutputWithPast  # here: as above
 
         return BaseModelOutputWithPast(last_hidden_state=self.hidden)
 
@@ -262,7 +263,7 @@ class TransformersCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """transformers loads the checkpoint's tensors by its own names and conversion rules."""
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # here: as above
 
         state = dict(weights)  # memory-mapped tensors; transformers copies them into the model
         bar = hf_logging.is_progress_bar_enabled()

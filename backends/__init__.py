@@ -1,1 +1,2 @@
-"""Built-in backend plugins: attention, sampling, grammar."""
+"""Built-in backend plugins, one folder per kind: attention, MoE kernels, sampling, grammar, tool-call
+parsers, speculative proposers."""

@@ -22,7 +22,7 @@ __all__ = ["__version__", "PLUGIN_API_VERSION", *_LAZY]
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
+        import importlib  # here: `import fw` stays light; the names load on first use
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fw' has no attribute {name!r}")

@@ -479,7 +479,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConf
 
 
 def load_yaml_options(path: str | os.PathLike) -> dict[str, Any]:
-    import yaml
+    import yaml  # here: yaml costs start-up time; only a --config file needs it
 
     p = Path(path)
     if not p.is_file():

@@ -57,7 +57,7 @@ def missing_toolchain() -> str | None:
 def _ensure_ninja_on_path() -> None:
     """The ninja wheel's binary is not on PATH when the venv is not activated."""
     if shutil.which("ninja") is None:
-        import ninja
+        import ninja  # here: only a run-time build needs ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
@@ -195,7 +195,7 @@ def _build_and_load(name: str, key: str, text: str, source_name: str, cflags: tu
                     build_dir: Path, library: Path) -> None:
     """Build in a private folder (cpp_extension loads the result from there), then move the library
     into `library` with an atomic rename; the loaded mapping survives the rename."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # here: cpp_extension costs start-up time; only a run-time build needs it
 
     _ensure_ninja_on_path()
     work = Path(tempfile.mkdtemp(prefix=f"build-{os.getpid()}-", dir=build_dir))

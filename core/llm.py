@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
+from fw.chat import render_chat
 from fw.config import resolve_config
 from fw.engine.factory import create_engine
 from fw.engine.outputs import EmbeddingRequestOutput, RequestOutput
@@ -125,8 +126,6 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None) -> dict[str, Any]:
-        from fw.chat import render_chat
-
         return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,

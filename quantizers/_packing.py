@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from fw.errors import ModelLoadError
-from fw.layers import packed_int
+from fw.errors import ConfigError, ModelLoadError
+from fw.layers import FUSED_PROJECTIONS, packed_int
 
 # AWQ's GEMM kernels pack output columns c*8 + [0, 2, 4, 6, 1, 3, 5, 7] into nibbles 0..7 of
 # int32 column c; nibble AWQ_REVERSE_ORDER[j] therefore holds column c*8 + j.
@@ -62,8 +62,6 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 def check_bits(method: str, bits: int, allowed: tuple[int, ...]) -> int:
     if bits not in allowed:
-        from fw.errors import ConfigError
-
         raise ConfigError(f"{method}: {bits}-bit weights are not supported (supported: "
                           f"{', '.join(map(str, allowed))}); use a checkpoint quantized with one of those")
     return bits
@@ -100,8 +98,6 @@ def column_blocks(rows: int, columns: int, multiple: int = 1) -> list[tuple[int,
 def checkpoint_module_names(prefix: str) -> list[str]:
     """The checkpoint module names a fw layer stands for: itself, or for a fused layer
     (`...qkv_proj`) the projections it fuses (`...q_proj`, `...k_proj`, `...v_proj`)."""
-    from fw.layers import FUSED_PROJECTIONS
-
     names = [prefix]
     dotted = prefix + "."
     for sub, (fused_sub, _) in FUSED_PROJECTIONS.items():

@@ -62,7 +62,7 @@ def _bnb():
     # Hub (the `kernels` package) and warns when it cannot; fw runs offline and uses the library's built-in
     # CPU kernel instead, so that warning would only alarm users.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    import bitsandbytes
+    import bitsandbytes  # here: bitsandbytes costs start-up time; only its methods' layers need it
 
     return bitsandbytes
 

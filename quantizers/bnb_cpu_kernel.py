@@ -39,7 +39,7 @@ def entry_point(bnb: Any, quant_type: str) -> Any | None:
     """The kernel's C function as a ctypes function taking plain ints, or None when this build lacks it
     (then `F.gemv_4bit` is called instead). A prototype of fw's own keeps the library's function object,
     which its Python wrapper calls, untouched. One per quant type, shared by every layer."""
-    from bitsandbytes.cextension import lib
+    from bitsandbytes.cextension import lib  # here: bitsandbytes costs start-up time
 
     native = getattr(getattr(lib, "_lib", None), _ENTRY_POINTS[quant_type], None)
     if native is None:

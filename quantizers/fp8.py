@@ -21,6 +21,7 @@ as accurate). `lm_head` and the layers a checkpoint lists as ignored stay unquan
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -226,8 +227,6 @@ def _check(layer: Linear, name: str, got, want) -> None:
 
 def _matches(pattern: str, prefix: str) -> bool:
     """compressed-tensors `ignore` entries are module names or `re:` regexes; others plain names."""
-    import re
-
     if pattern.startswith("re:"):
         return re.match(pattern[3:], prefix) is not None
     return prefix == pattern or prefix.endswith("." + pattern)

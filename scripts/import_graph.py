@@ -88,16 +88,24 @@ def _statements(body: list[ast.stmt], local: bool):
                     yield from _statements([c for c in children if isinstance(c, ast.AST)], local)
 
 
-def _names(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: dict[str, Path]) -> list[str]:
+def imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[tuple[str, str | None]]:
+    """(module, name) pairs one import statement names: `import a.b` -> (a.b, None); `from .x import y`
+    in package p -> (p.x, y), relative imports resolved against the importing module's package."""
     if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
+        return [(alias.name, None) for alias in node.names]
     base = node.module or ""
     if node.level:  # relative: from the importing module's package
         package = module if is_package else module.rpartition(".")[0]
         for _ in range(node.level - 1):
             package = package.rpartition(".")[0]
         base = f"{package}.{base}" if base else package
-    return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+    return [(base, alias.name) for alias in node.names]
+
+
+def _names(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: dict[str, Path]) -> list[str]:
+    """The modules a statement imports: `from pkg import name` is `pkg.name` when that is a module."""
+    return [f"{base}.{name}" if name and f"{base}.{name}" in known else base
+            for base, name in imported(module, is_package, node)]
 
 
 def _owner(name: str, known: dict[str, Path]) -> str | None:

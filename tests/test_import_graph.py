@@ -5,15 +5,12 @@ inside a function says why (start-up time) in a comment; docs/architecture.md sh
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
-import_graph = importlib.util.module_from_spec(_spec)
-sys.modules["import_graph"] = import_graph  # dataclasses look their module up while the file runs
-_spec.loader.exec_module(import_graph)
+sys.path.insert(0, str(ROOT / "scripts"))
+import import_graph  # noqa: E402  (scripts/import_graph.py)
 
 EDGES, LOCAL = import_graph.scan()
 
@@ -39,31 +36,18 @@ CORE_TO_TOOLING_IN_FUNCTIONS = {
 # Files whose function-local imports do not all say why yet: the number of silent ones may only go down.
 # Empty an entry by giving each import its comment (start-up time) or by moving it to the module's top.
 SILENT_LOCAL_IMPORTS = {
-    "architectures/transformers_fallback.py": 5, "backends/attention/cpu_paged.py": 2,
-    "backends/attention/flex.py": 3, "backends/attention/triton_backend.py": 1,
-    "backends/grammar/outlines_backend.py": 5, "backends/grammar/outlines_regex.py": 1,
-    "backends/grammar/outlines_schema.py": 1, "backends/grammar/xgrammar_backend.py": 4,
-    "backends/grammar/xgrammar_schema.py": 1, "core/__init__.py": 1, "core/bench/embed.py": 5,
-    "core/bench/hf_baseline.py": 2, "core/bench/kernels.py": 14, "core/bench/llamacpp_python.py": 1,
-    "core/bench/lora.py": 7, "core/bench/offline.py": 9, "core/bench/parallel.py": 8, "core/bench/plot.py": 4,
-    "core/cli/bench.py": 17, "core/cli/doctor.py": 8, "core/cli/doctor_checks.py": 14, "core/cli/doctor_env.py": 3,
-    "core/cli/flag_reference.py": 2, "core/cli/generate.py": 5, "core/cli/main.py": 2, "core/cli/plugins_cmd.py": 6,
-    "core/cli/serve.py": 18, "core/cli/warm_cache.py": 7, "core/compile/cache.py": 2, "core/compile/ops.py": 1,
-    "core/compile/step.py": 3, "core/compile/warm.py": 5, "core/config.py": 1, "core/cpp_ops.py": 2,
-    "core/distributed/data_parallel.py": 2, "core/distributed/launch.py": 1, "core/layers/context.py": 1,
-    "core/layers/gguf_weight.py": 2, "core/llm.py": 1, "core/lora/adapter.py": 1,
-    "core/model_loader/config_snapshot.py": 3, "core/model_loader/fast_tokenizer.py": 2,
-    "core/model_loader/gguf_file.py": 7, "core/model_loader/gguf_header.py": 4, "core/model_loader/hf.py": 3,
-    "core/model_loader/quantized_weights.py": 2, "core/model_loader/source.py": 3,
-    "core/plugins/api_snapshot.py": 2, "core/plugins/listing_record.py": 1, "core/scaffold/__init__.py": 3,
+    "core/bench/embed.py": 5, "core/bench/hf_baseline.py": 2, "core/bench/kernels.py": 14,
+    "core/bench/llamacpp_python.py": 1, "core/bench/lora.py": 7, "core/bench/offline.py": 9,
+    "core/bench/parallel.py": 8, "core/bench/plot.py": 4, "core/cli/bench.py": 17, "core/cli/doctor.py": 8,
+    "core/cli/doctor_checks.py": 14, "core/cli/doctor_env.py": 3, "core/cli/flag_reference.py": 2,
+    "core/cli/generate.py": 5, "core/cli/main.py": 2, "core/cli/plugins_cmd.py": 6, "core/cli/serve.py": 18,
+    "core/cli/warm_cache.py": 7, "core/plugins/api_snapshot.py": 2, "core/scaffold/__init__.py": 3,
     "core/scaffold/port.py": 5, "core/testing/architecture.py": 5, "core/testing/attention.py": 2,
     "core/testing/grammar.py": 4, "core/testing/models.py": 7, "core/testing/moe.py": 3,
     "core/testing/pipeline.py": 2, "core/testing/pytest_plugin.py": 3, "core/testing/quantization.py": 3,
     "core/testing/samplers.py": 7, "core/testing/suite.py": 6, "core/warm/__init__.py": 1,
     "core/warm/collect.py": 3, "core/warm/cpp.py": 5, "core/warm/grammar.py": 3, "core/warm/model.py": 8,
-    "core/warm/resolve.py": 4, "core/warm/verify.py": 1, "quantizers/_packing.py": 2,
-    "quantizers/bitsandbytes.py": 1, "quantizers/bnb_cpu_kernel.py": 1, "quantizers/fp8.py": 1,
-    "quantizers/gguf.py": 4,
+    "core/warm/resolve.py": 4, "core/warm/verify.py": 1, "quantizers/gguf.py": 4,
 }
 
 

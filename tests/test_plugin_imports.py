@@ -7,9 +7,12 @@ internals breaks when they move, which the plugin API promises not to do to thir
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import import_graph  # noqa: E402  (scripts/import_graph.py: how an import statement names modules)
 
 # The plugin API, module by module: "*" for every public name, else the package's `__all__` (read from its
 # source) plus the submodules named here. fw.testing is the plugin authors' test kit.
@@ -74,19 +77,10 @@ def _sources() -> list[tuple[Path, str, str]]:
 
 def _imports(path: Path, module: str) -> list[tuple[int, str, str | None]]:
     """(line, imported module, imported name or None) for each fw import in the file."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name, None) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    package = package.rpartition(".")[0]
-                base = f"{package}.{base}" if base else package
-            out += [(node.lineno, base, a.name) for a in node.names]
-    return [(line, target, name) for line, target, name in out if target.split(".")[0].startswith("fw")]
+    return [(node.lineno, target, name) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for target, name in import_graph.imported(module, path.name == "__init__.py", node)
+            if target.split(".")[0].startswith("fw")]
 
 
 def _within(module: str, prefix: str) -> bool:

@@ -124,13 +124,13 @@ def fw_register_attention_backends(register) -> None:
 @hookimpl
 def fw_warm_cache_artifacts(context, add) -> None:
     """`fw warm-cache` builds the kernel ahead when the server with these flags would choose cpu_paged."""
-    from fw.warm import CppOpsArtifact
+    from fw.warm import CppOpsArtifact  # here: fw warm-cache's hook; serving never loads the warm-cache tooling
 
     add(CppOpsArtifact("cpu_paged", _SOURCE, owner="cpu_paged", applies=_kernel_needed))
 
 
 def _kernel_needed(context) -> bool:
-    from fw.warm import resolve
+    from fw.warm import resolve  # here: fw warm-cache's hook; serving never loads the warm-cache tooling
 
     chosen = resolve.attention_backend(context)
     if chosen is None:  # the model's files are not there yet (--check before a download): go by the flags

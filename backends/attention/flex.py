@@ -58,8 +58,9 @@ def compiled_flex_attention(key: tuple) -> Callable[..., torch.Tensor]:
     single shared one, a process running several configurations (a test suite, two engines) used up
     dynamo's recompile limit of 8 and fell back to the unfused path without saying so."""
     if key not in _compiled:
+        # here: FlexAttention's modules cost start-up time; only this backend's use needs them
         import torch.fx.experimental._config as fx_config
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import flex_attention  # here: as above
 
         from fw.compile.isolated import compile_isolated  # here: importing fw.compile is not free at plugin listing
 
@@ -191,7 +192,7 @@ def _slot_positions(step: _Step, slots: int) -> torch.Tensor:
 def _build_block_mask(step: _Step, pages: int, page: int, window: int):
     """The step's block mask: per query block, the physical pages any of its rows may see, and the
     exact per-slot rule as `mask_mod`."""
-    from torch.nn.attention.flex_attention import BlockMask
+    from torch.nn.attention.flex_attention import BlockMask  # here: FlexAttention's modules cost start-up time
 
     num_q_blocks = step.padded // Q_BLOCK
     used = torch.zeros(num_q_blocks, pages, dtype=torch.bool)

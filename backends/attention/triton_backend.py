@@ -47,6 +47,7 @@ def unavailable() -> str | None:
 
 def kernels():
     """The kernel module (imports triton on first call)."""
+    # here: the kernels import triton: only on first use (plugin listing loads this module)
     from fw.backends.attention import triton_kernels
 
     return triton_kernels

@@ -123,7 +123,7 @@ class OutlinesMatcher:
     __slots__ = ("_grammar", "_guide", "_terminated")
 
     def __init__(self, grammar: "OutlinesGrammar"):
-        from outlines_core import Guide
+        from outlines_core import Guide  # here: outlines_core costs start-up time; only a request that uses it pays
         self._grammar = grammar
         self._guide = Guide(grammar.index, max_rollback=MAX_ROLLBACK)
         self._terminated = False
@@ -189,7 +189,7 @@ class OutlinesGrammar:
 
 
 def _index_from_binary(data: bytes) -> Any:
-    from outlines_core import Index
+    from outlines_core import Index  # here: outlines_core costs start-up time
 
     return Index.from_binary(data)
 
@@ -211,7 +211,7 @@ class OutlinesCompiler:
         (outlines-core adds its single EOS id itself)."""
         with self._lock:
             if self._vocabulary is None:
-                from outlines_core import Vocabulary
+                from outlines_core import Vocabulary  # here: outlines_core costs start-up time
                 tok = self.tokenizer
                 if not tok.eos_token_ids:
                     raise GrammarError(NAME, "the model has no stop token, so a constrained output could never end")
@@ -225,7 +225,7 @@ class OutlinesCompiler:
 
     def compile(self, constraint: Constraint) -> OutlinesGrammar:
         regex = self.regex_for(constraint)
-        from outlines_core import Index
+        from outlines_core import Index  # here: outlines_core costs start-up time
         try:
             index = self._kept.load(constraint, _index_from_binary)
             if index is None:
@@ -323,6 +323,7 @@ def fw_register_grammar_backends(register) -> None:
 def fw_warm_cache_artifacts(context, add) -> None:
     """Precompile the --warm-schemas entries the server would send to outlines."""
     if context.options.get("warm_schemas"):
+        # here: fw warm-cache's hook; serving never loads the warm-cache tooling
         from fw.warm import GrammarWarmArtifact
 
         add(GrammarWarmArtifact(NAME, owner=NAME))

@@ -234,7 +234,7 @@ def capped_json_numbers(regex: str) -> str:
     at INTEGER_DIGITS / FRACTION_DIGITS / EXPONENT_DIGITS digits. A sampled model can otherwise
     write digits until it runs out of tokens. The constants' text cannot come from a user's
     pattern or enum (those are escaped), so a textual replacement is exact."""
-    from outlines_core.json_schema import INTEGER, NUMBER
+    from outlines_core.json_schema import INTEGER, NUMBER  # here: outlines_core costs start-up time
     whole = f"-?(?:0|[1-9][0-9]{{0,{INTEGER_DIGITS - 1}}})"
     number = f"{whole}(?:\\.[0-9]{{1,{FRACTION_DIGITS}}})?(?:[eE][+-]?[0-9]{{1,{EXPONENT_DIGITS}}})?"
     return regex.replace(NUMBER, f"(?:{number})").replace(INTEGER, f"(?:{whole})")

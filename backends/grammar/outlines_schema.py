@@ -51,7 +51,7 @@ _NUMERIC = ("integer", "number")
 def schema_to_regex(schema: dict | bool, whitespace_pattern: str | None = None) -> str:
     """The regex of the JSON texts `schema` admits (a subset of them where outlines-core is
     narrower). Raises SchemaError (a schema it cannot compile) with a reason a user can act on."""
-    from outlines_core.json_schema import build_regex_from_schema
+    from outlines_core.json_schema import build_regex_from_schema  # here: outlines_core costs start-up time
 
     if schema is True:
         schema = {}

@@ -99,7 +99,7 @@ class XGrammarCompiled:
         self._stop_row = stop_row
 
     def matcher(self) -> XGrammarMatcher:
-        import xgrammar as xgr
+        import xgrammar as xgr  # here: xgrammar costs start-up time; only a request that uses it pays
         return XGrammarMatcher(xgr.GrammarMatcher(self.compiled), self._stop_row)
 
 
@@ -107,7 +107,7 @@ class XGrammarCompiler:
     """What the `xgrammar` factory returns: one per engine; `compile` is safe from any thread."""
 
     def __init__(self, tokenizer: GrammarTokenizer):
-        import xgrammar as xgr
+        import xgrammar as xgr  # here: xgrammar costs start-up time; only a request that uses it pays
         self._xgr = xgr
         self.tokenizer = tokenizer
         self.info = tokenizer_info(tokenizer)
@@ -196,7 +196,7 @@ def tokenizer_info(tokenizer: GrammarTokenizer) -> Any:
     """xgrammar's view of the vocabulary, `vocab_size` (the logits width) wide: the vocabulary type
     xgrammar detects, with the non-stop special tokens blanked (xgrammar never allows an empty
     token) and the ids past the tokenizer's vocabulary empty."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # here: xgrammar costs start-up time; only a request that uses it pays
     hf = tokenizer.hf_tokenizer
     stop = sorted(tokenizer.eos_token_ids)
     real = getattr(hf, "transformers_tokenizer", None)  # fw's FastTokenizer: xgrammar inspects transformers' own
@@ -285,6 +285,7 @@ def fw_register_grammar_backends(register) -> None:
 def fw_warm_cache_artifacts(context, add) -> None:
     """Precompile the --warm-schemas entries the server would send to xgrammar."""
     if context.options.get("warm_schemas"):
+        # here: fw warm-cache's hook; serving never loads the warm-cache tooling
         from fw.warm import GrammarWarmArtifact
 
         add(GrammarWarmArtifact(NAME, owner=NAME))

@@ -118,7 +118,7 @@ def _length_pattern(schema: dict, path: str) -> str | None:
 def _check_pattern(pattern: Any, path: str) -> None:
     """Inside a schema xgrammar warns about and ignores what its regex parser lacks (lookarounds);
     compiled alone, the parser says what it lacks."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # here: xgrammar costs start-up time
     if not isinstance(pattern, str):
         _unsupported(path, f"a pattern must be a string, got {type(pattern).__name__}")
     try:

@@ -1,0 +1,1 @@
+"""The built-in sampler plugin (kind `sampler`): the logits stages and the default final choice."""

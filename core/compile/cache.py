@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 import torch
 
-from fw import env
+from fw import __version__, env
 from fw.paths import cache_dir
 
 logger = logging.getLogger("fw.compile")
@@ -104,7 +104,7 @@ def _plugin_versions(plugins) -> list[list[str]]:
 def key_inputs(config, plan, buckets, plugins) -> dict[str, Any]:
     """Everything the key hashes, as a JSON-able dict (kept in the manifest to explain a key). The
     decisions (dtype, quantization, attention backend, device) are the engine plan's (fw.plan)."""
-    from fw import __version__
+    # here: the plan's rules load the model loader; only a compiled engine keys
     from fw.plan.rules import checkpoint_quantization
 
     source = plan.source

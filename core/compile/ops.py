@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from fw.cpp_ops import load_cpp_ops
+from fw.layers import cpu_ops, dense, packed_int
 
 PACKED_SOURCE = Path(__file__).with_name("packed_linear.cpp")  # package data
 _FUSED_CPU_OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax")
@@ -111,8 +112,6 @@ def register_fused_cpu_fakes() -> None:
     """Fake (shape-only) kernels for fw.layers.cpu_ops, fw.layers.dense's bf16 matmul and fw.layers.packed_int,
     once they are built: each cpu_ops op writes into an argument and returns nothing, so its fake does nothing."""
     global _fused_faked, _dense_faked, _packed_int_faked
-    from fw.layers import cpu_ops, dense, packed_int
-
     with _lock:
         if not _fused_faked and cpu_ops.ready():
             for name in _FUSED_CPU_OPS:

@@ -67,6 +67,7 @@ class CompiledStep:
         self.compiled_batch: set[int] = set()
         self.head_compiled = True  # False once the head turned out not to be traceable (runs eagerly)
         self._warned: set[str] = set()
+        # here: inductor's modules cost start-up time; only compiling needs them
         from torch._inductor import list_mode_options
 
         self._patches = list_mode_options(mode, dynamic=False)
@@ -91,7 +92,7 @@ class CompiledStep:
     # -- compilation -----------------------------------------------------------------------
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.compile_fx import compile_fx  # here: inductor's modules cost start-up time
 
         compiled = compile_fx(gm, example_inputs, config_patches=self._patches or None)
         self.num_compiles += 1
@@ -103,6 +104,7 @@ class CompiledStep:
         if self.cache is None:
             yield
             return
+        # here: inductor's modules cost start-up time
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
         self.cache.inductor_dir.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ class CompiledStepsArtifact:
 
     def entry(self, context: WarmContext) -> CacheEntry | None:
         """The cache entry the server would use, or None while the model's files are missing."""
-        from fw.warm import resolve
+        from fw.warm import resolve  # here: warm-cache tooling, loaded only by `fw warm-cache`
 
         if context.source is None:
             return None
@@ -56,13 +56,14 @@ class CompiledStepsArtifact:
                 for dim, values in (("tokens", buckets.tokens), ("batch", buckets.batch)) for b in values]
 
     def build(self, context: WarmContext) -> list[WarmItem]:
-        from fw.warm import resolve
+        from fw.warm import resolve  # here: warm-cache tooling, loaded only by `fw warm-cache`
 
         cfg = context.config
         if not cfg.enable_torch_compile:
             return []
         target = context.options.get("target_device")
         if target:
+            # here: the plan's rules load the model loader; --target-device only
             from fw.plan.rules import resolve_device
 
             if resolve.device(context) != resolve_device(cfg.device):
@@ -94,7 +95,8 @@ def warm_artifacts(context: WarmContext) -> list:
     CPU, the fw_packed C++ op the graphs call, then the compiled steps."""
     if not context.config.enable_torch_compile:
         return []
+    # here: fw.compile.ops imports torch; warm-cache's collector lists artifacts first
     from fw.compile.ops import PACKED_SOURCE
-    from fw.warm.cpp import CppOpsArtifact, cpu_target
+    from fw.warm.cpp import CppOpsArtifact, cpu_target  # here: warm-cache tooling, loaded only by `fw warm-cache`
 
     return [CppOpsArtifact("fw_packed", PACKED_SOURCE, owner="core", applies=cpu_target), CompiledStepsArtifact()]

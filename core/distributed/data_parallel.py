@@ -56,8 +56,8 @@ def check_data_parallel(config: EngineConfig) -> None:
 def run_replica(config: EngineConfig, index: int, conn) -> None:
     """A spawned replica's main: load the engine, say so, then step and answer the pipe until told to
     stop or the server is gone (a closed pipe, or its parent process ended)."""
-    from fw.distributed.worker import _exit_with_parent
-    from fw.engine.factory import create_engine
+    from fw.distributed.worker import _exit_with_parent  # here: only the spawned replica runs an engine
+    from fw.engine.factory import create_engine  # here: the server's process starts replicas, it loads no engine itself
 
     _exit_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s replica {index} %(name)s: %(message)s")

@@ -90,7 +90,7 @@ def open_store(launched: Launched, timeout_s: float) -> dist.Store:
 
 def run_launched_worker(config: EngineConfig, launched: Launched) -> int:
     """A rank other than 0: this process is the worker (it does not return)."""
-    from fw.distributed.worker import run_worker
+    from fw.distributed.worker import run_worker  # here: only a worker rank loads the worker and its engine
 
     run_worker(config, launched.rank, launched.addr, launched.local_rank, launched.local_world,
                connect=lambda addr, rank, timeout: open_store(launched, timeout))

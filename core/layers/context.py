@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from fw.layers.linear import UnquantizedLinearMethod
+
 
 @dataclass
 class ModelContext:
@@ -22,8 +24,6 @@ class ModelContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def linear_method_for(self, prefix: str):
-        from fw.layers.linear import UnquantizedLinearMethod
-
         method = self.linear_method
         if method is None:
             return UnquantizedLinearMethod()

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fw.errors import UnsupportedConfigurationError
+
 
 @dataclass(frozen=True)
 class GGUFWeight:
@@ -32,9 +34,7 @@ class GGUFWeight:
         """Input columns [start, start+length): a row-parallel rank's slice, cut between blocks. Blocks run
         along the input dimension, so a cut inside one is impossible: `what` (the flag and layer) is named
         in the error that says so."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        from fw.errors import UnsupportedConfigurationError
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # here: the gguf library loads only for GGUF models
 
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
         if start % block or length % block:

@@ -62,7 +62,7 @@ def _check_config(name: str, config: dict) -> None:
 
 
 def _read_weights(name: str, path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # here: only loading an adapter needs it
 
     file = path / "adapter_model.safetensors"
     if not file.is_file():

@@ -11,6 +11,7 @@ architecture). Remote-code configs always go through transformers."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from typing import Any, Callable
@@ -26,7 +27,7 @@ _DEPRECATED = ("torch_dtype", "use_return_dict")
 def _revive(name: str, value: Any) -> Any:
     """A recorded value as the config holds it: a torch dtype from its name, id2label's int keys."""
     if isinstance(value, dict) and set(value) == {"torch_dtype"}:
-        import torch
+        import torch  # here: reading a snapshot must not import torch (start-up time)
 
         return getattr(torch, value["torch_dtype"])
     if name == "id2label" and isinstance(value, dict):
@@ -104,8 +105,6 @@ class ConfigView:
             setattr(self._real, key, value)
 
     def __deepcopy__(self, memo: dict) -> "ConfigView":
-        import copy
-
         view = ConfigView(self._snapshot, self._load)
         object.__setattr__(view, "_changed", copy.deepcopy(self._changed, memo))
         return view
@@ -115,8 +114,6 @@ class ConfigView:
 
     def to_dict(self) -> dict:
         """transformers' to_dict(): the recorded attributes it holds, with what was set on this view."""
-        import copy
-
         values = {k: v if k != "id2label" else _revive(k, v) for k, v in self._snapshot["dict"].items()}
         return copy.deepcopy({**values, **self._changed})
 

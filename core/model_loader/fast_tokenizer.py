@@ -53,6 +53,7 @@ def snapshot_supported(tok: Any) -> bool:
     """True for transformers' plain fast tokenizer (TokenizersBackend), or a subclass that changes none
     of the behaviour FastTokenizer reproduces."""
     try:
+        # here: transformers costs start-up time
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:
         return False
@@ -158,7 +159,7 @@ class FastTokenizer:
 
     @property
     def added_tokens_decoder(self) -> dict:
-        from tokenizers import AddedToken
+        from tokenizers import AddedToken  # here: tokenizers loads only when a tokenizer is built
 
         return {int(i): AddedToken(content, special=special) for i, (content, special)
                 in self._meta["added_tokens"].items()}

@@ -89,8 +89,8 @@ class GGUFModel:
 
     def _transformers_config(self, hf_architecture: str):
         """A transformers config built from the metadata (only the keys it needs)."""
-        from transformers import AutoConfig
-        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+        from transformers import AutoConfig  # here: transformers costs start-up time
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING  # here: transformers costs start-up time
 
         arch = self.architecture
         mapping = GGUF_CONFIG_MAPPING.get(arch)
@@ -123,12 +123,12 @@ class GGUFModel:
     def tokenizer(self):
         """transformers' GGUF tokenizer conversion takes seconds: done once per file and kept in fw's cache
         with its snapshot, which later starts load with `tokenizers` alone (fw.model_loader.fast_tokenizer)."""
-        from fw.model_loader.hf import cached_tokenizer
+        from fw.model_loader.hf import cached_tokenizer  # here: fw.model_loader.hf imports transformers' config classes
 
         cached = self.tokenizer_cache_dir()
 
         def convert():
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # here: transformers costs start-up time
 
             try:
                 return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
@@ -136,7 +136,7 @@ class GGUFModel:
                 raise ModelLoadError(f"{self.path}: its tokenizer could not be read: {exc}") from None
 
         def from_transformers():
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # here: transformers costs start-up time
 
             return AutoTokenizer.from_pretrained(str(cached))
 
@@ -159,8 +159,8 @@ class GGUFModel:
         come as `GGUFWeight` (block bytes, one row per output row) instead, whatever their type.
         `head_from_embedding`: the tied embedding also comes packed as `lm_head.weight` (the head keeps
         its blocks; the embedding's rows are looked up dense)."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
+        from gguf import GGMLQuantizationType  # here: the gguf library costs start-up time; only dequantizing needs it
+        from gguf.quants import dequantize  # here: only dequantizing needs it
 
         for t in self.reader.tensors:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first

@@ -56,7 +56,7 @@ class GGUFTensor:
     with its `data` as GGUFReader gives it."""
 
     def __init__(self, header: "GGUFHeader", name: str, dims: list[int], raw_type: int, offset: int):
-        from gguf import GGMLQuantizationType
+        from gguf import GGMLQuantizationType  # here: the header reader stays free of the gguf library (start-up time)
 
         self._header, self.name, self.offset = header, name, offset
         self.shape = np.array(dims, dtype=np.uint64)
@@ -70,15 +70,16 @@ class GGUFTensor:
 
     @property
     def n_bytes(self) -> int:
-        from gguf import GGML_QUANT_SIZES
+        from gguf import GGML_QUANT_SIZES  # here: the header reader stays free of the gguf library (start-up time)
 
         block_size, type_size = GGML_QUANT_SIZES[self.tensor_type]
         return self.n_elements * type_size // block_size
 
     @cached_property
     def data(self) -> np.ndarray:
+        # here: the header reader stays free of the gguf library (start-up time)
         from gguf import GGMLQuantizationType as T
-        from gguf.quants import quant_shape_to_byte_shape
+        from gguf.quants import quant_shape_to_byte_shape  # here: as above
 
         dims = tuple(reversed(self.shape.tolist()))
         plain = {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,

@@ -19,7 +19,7 @@ def load_hf_config(path: Path, trust_remote_code: bool, revision: str | None = N
     record (fw.model_loader.config_snapshot) while config.json is unchanged; remote code always
     goes through transformers."""
     def build():
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # here: transformers costs start-up time
 
         try:
             return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code, revision=revision)
@@ -56,7 +56,7 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool, revision: str | No
     loaded with `tokenizers` alone (fw.model_loader.fast_tokenizer) while the directory's files are
     unchanged. Hub ids and remote code always go through transformers."""
     def from_transformers():
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # here: transformers costs start-up time
 
         try:
             return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, revision=revision)
@@ -131,7 +131,7 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every shard, memory-mapped."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # here: only reading weights needs it
 
     for file in safetensors_files(path):
         try:

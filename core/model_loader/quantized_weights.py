@@ -69,9 +69,9 @@ def check_expert_tensors(model: nn.Module, checkpoint: Path, method: str, arch_n
 
 def safetensors_names(path: Path) -> list[str]:
     """Tensor names of a checkpoint directory, from the file headers (no tensor is read)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # here: only a checkpoint's scales need it
 
-    from fw.model_loader.hf import safetensors_files
+    from fw.model_loader.hf import safetensors_files  # here: fw.model_loader.hf imports transformers' config classes
 
     names: list[str] = []
     for file in safetensors_files(path):

@@ -49,8 +49,9 @@ def local_source(model: str) -> ModelSource | None:
 def cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
     """The complete snapshot of `repo_id` at `revision` in the local HF cache, or None (nothing
     touches the network)."""
+    # here: huggingface_hub costs start-up time; a local model never needs it
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError  # here: as above
 
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
@@ -63,6 +64,7 @@ def cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
 def download_snapshot(repo_id: str, revision: str | None, force_download: bool = False) -> Path:
     """Resolve `revision` on the hub and fetch what the HF cache lacks (everything with
     `force_download`), with huggingface_hub's progress bars; offline, the cached snapshot."""
+    # here: huggingface_hub costs start-up time; a local model never needs it
     from huggingface_hub import snapshot_download
 
     try:

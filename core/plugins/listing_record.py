@@ -119,7 +119,7 @@ def recorded() -> tuple[list[dict], dict[str, list[str]], str] | None:
 
 def _failures_hold(rows: list[dict], eps: list[md.EntryPoint]) -> bool:
     """Each recorded failure, loaded again on its own, fails with the same row."""
-    from fw.plugins.manager import PluginManager
+    from fw.plugins.manager import PluginManager  # here: the recorded listing's fast path loads no plugin manager
 
     by_id = {(row["distribution"], row["name"], row["module"]): row for row in rows}
     for ep in eps:
