@@ -116,8 +116,14 @@ def _owner(name: str, known: dict[str, Path]) -> str | None:
 
 
 def _commented(lines: list[str], line: int) -> bool:
-    """A comment on the import's line, or on a line of comments just above it."""
-    return "#" in lines[line - 1] or (line > 1 and lines[line - 2].strip().startswith("#"))
+    """A comment on the import's line, or on the line just above it or above the run of import lines it
+    belongs to (one comment may speak for a block of imports)."""
+    if "#" in lines[line - 1]:
+        return True
+    above = line - 2
+    while above >= 0 and lines[above].strip().startswith(("import ", "from ")):
+        above -= 1
+    return above >= 0 and lines[above].strip().startswith("#")
 
 
 def scan(root: Path = ROOT) -> tuple[list[Import], list[LocalImport]]:

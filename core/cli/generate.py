@@ -33,19 +33,21 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here (all of run's imports): building `fw`'s parser imports this module, and `fw --help` stays light
     from fw.warm.startup import pause_collector, resume_collector
 
     pause_collector()  # until the engine is up (`fw` resumes it if start-up fails)
+    # here: the engine's modules, after the collector is paused
     from fw.default_model import default_model
     from fw.llm import LLM
     from fw.sampling.params import SamplingParams
 
     config = resolve_config(cli=vars(args), config_file=args.config)
-    from fw.distributed.launch import under_launcher
+    from fw.distributed.launch import under_launcher  # here: as above
 
     config = under_launcher(config)  # torchrun: ranks other than 0 become workers here
     if config.node_rank > 0:  # this machine runs tensor-parallel workers only; node 0 generates
-        from fw.distributed.node import run_node
+        from fw.distributed.node import run_node  # here: as above
 
         return run_node(config)
     if config.model is None:
