@@ -41,20 +41,21 @@ def test_kernel_matches_references(m, n, k, bits, dtype):
     emulated = packed_int.reference_linear(x, blocks)
     assert (got - emulated).abs().max() <= 1e-5 * emulated.abs().max()
     exact = x.double() @ blocks.dequantize().double().T
-    # int8 activations: ~0.5% here; two int8 terms (4-bit weights, up to RESIDUAL_MAX_ROWS rows): ~1e-5
-    two_terms = bits == 4 and m <= packed_int.RESIDUAL_MAX_ROWS
+    # int8 activations: ~0.5% here; two int8 terms (int weights, up to RESIDUAL_MAX_ROWS rows): ~1e-5
+    two_terms = bits in (4, 8) and m <= packed_int.RESIDUAL_MAX_ROWS
     assert (got - exact).norm() <= (1e-4 if two_terms else 2e-2) * exact.norm()
     torch.testing.assert_close(out.float(), got.float().to(dtype).float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [9, 64, 300])
-def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m):
+def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m, bits):
     """Above RESIDUAL_MAX_ROWS, a row whose outlier channels make a few blocks' scales large takes the second
     term in those blocks only: the kernel matches the reference that models it, and its error against the
     exact product falls well below one term's (which the same rows without outliers keep)."""
     gen = torch.Generator().manual_seed(m)
     n, k = 96, 576
-    blocks = _blocks(4, n, k, gen)
+    blocks = _blocks(bits, n, k, gen)
     weight = packed_int.pack(blocks)
     x = torch.randn(m, k, generator=gen)
     outliers = [7, 100, 101, 450]  # channels in blocks 0, 3 and 14 of 18
@@ -67,7 +68,7 @@ def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m):
     assert (got - emulated).abs().max() <= 1e-5 * emulated.abs().max()
     dense = blocks.dequantize().double()
     exact = x.double() @ dense.T
-    one_term = packed_int.quantize_activations(x, 8).double() @ dense.T  # the same int8 rounding, one term
+    one_term = packed_int.quantize_activations(x, residual=False).double() @ dense.T  # the same int8 rounding, one term
     assert (got - exact).norm() < 0.2 * (one_term - exact).norm()
 
 

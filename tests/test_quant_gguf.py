@@ -119,13 +119,34 @@ def _mean_nll(llm, text: str) -> float:
     return -sum(d[i].logprob for d, i in zip(out.prompt_logprobs[1:], ids[1:])) / (len(ids) - 1)
 
 
+REQUANTIZED = (T.Q5_K, T.Q6_K)  # onto the 8-bit kernels' grid (gguf.requantized_int8)
+
+
+def _kernel_weight(case, prefix: str, qtype) -> torch.Tensor:
+    """The weight the kernels hold: the dequantized one, or for Q5_K/Q6_K its 8-bit requantization, checked
+    here to lie within half an 8-bit step of the dequantized weight (a quarter of their own step at most)."""
+    w = _expected_weight(case, prefix)
+    if qtype not in REQUANTIZED:
+        return w
+    from fw.quantizers.gguf import requantized_int8
+
+    blocks = requantized_int8(w)
+    got = blocks.dequantize()
+    assert ((got - w).abs() <= blocks.scale.repeat_interleave(packed_int.BLOCK, dim=1) / 2 + 1e-7).all()
+    amax = w.view(w.shape[0], -1, packed_int.BLOCK).abs().amax(-1)
+    # the step: amax / 127 rounded up to fp16 (one ulp: 2^-10 relative, or 2^-24 among its subnormals)
+    bound = torch.maximum(amax / 127 * (1 + 2 ** -10), amax / 127 + 2 ** -24)
+    assert (blocks.scale[amax > 0] <= bound[amax > 0]).all()
+    return got
+
+
 @needs_kernels
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_kernel_path_repacks_and_matches_the_int8_activation_reference(qtype, gguf_dir, tokenizer, monkeypatch):
-    """Q4_0, Q4_1, Q8_0 and Q4_K run on fw's packed-int kernels (the GGUF bytes are gone): each linear within
-    fp32 rounding of the int8-activation reference on the independently dequantized weights (Q4_K: within its
-    sub-block scales' fp16 rounding), and the text's likelihood within the activations' rounding of the
-    plain-torch path's."""
+    """Every GGUF type with a kernel runs on fw's packed-int kernels (the GGUF bytes are gone): each linear
+    within fp32 rounding of the int8-activation reference on the independently dequantized weights (Q4_K:
+    within its sub-block scales' fp16 rounding; Q5_K and Q6_K: on their 8-bit requantization), and the text's
+    likelihood within the activations' rounding of the plain-torch path's."""
     monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
     case = _case(gguf_dir, tokenizer, f"kernel_{qtype.name}", qtype)
     llm = _llm(case, gguf_dir)
@@ -134,10 +155,11 @@ def test_kernel_path_repacks_and_matches_the_int8_activation_reference(qtype, gg
     torch.manual_seed(0)
     for prefix, layer in linears.items():
         assert layer.packed_int is not None and layer.weight.dtype == torch.uint8, prefix
-        assert [w.bits for w in layer.packed_int] == [8 if qtype == T.Q8_0 else 4]
+        assert [w.bits for w in layer.packed_int] == [8 if qtype in (T.Q8_0, *REQUANTIZED) else 4]
         assert layer.weight.numel() == sum(w.data.numel() for w in layer.packed_int)
         x = torch.randn(7, layer.input_size)
-        want = packed_int.quantize_activations(x, layer.packed_int[0].bits).double() @ _expected_weight(case, prefix).double().T
+        w = _kernel_weight(case, prefix, qtype)
+        want = packed_int.quantize_activations(x, layer.packed_int[0].bits).double() @ w.double().T
         got = layer(x).double()
         assert (got - want).abs().max() <= (1e-3 if qtype == T.Q4_K else 1e-5) * want.abs().max(), prefix
     text = " ".join(PROMPTS * 3)
@@ -150,7 +172,7 @@ def test_kernel_path_repacks_and_matches_the_int8_activation_reference(qtype, gg
 @needs_kernels
 def test_cpu_default_keeps_kernel_types_packed_and_dequantizes_the_others_with_one_warning(gguf_dir, tokenizer,
                                                                                           monkeypatch, caplog):
-    """No flag on a CPU with the kernels: Q4_1 layers run packed, a Q6_K or Q5_0 file (no kernel) still runs,
+    """No flag on a CPU with the kernels: Q4_1 layers run packed, a Q5_0 file (no kernel) still runs,
     its layers dequantized at load into the dense layout, with one warning naming the type; tokens equal
     transformers' on the same weights."""
     from fw.quantizers import gguf as gguf_method
@@ -162,7 +184,7 @@ def test_cpu_default_keeps_kernel_types_packed_and_dequantizes_the_others_with_o
     assert q41.engine.loaded.quantization == "gguf"
     layers = [m for m in q41.engine.loaded.model.modules() if isinstance(m, Linear)]
     assert all(m.packed_int is not None and not m.dense for m in layers)
-    for qtype in (T.Q6_K, T.Q5_0):
+    for qtype in (T.Q5_0,):
         caplog.clear()
         case = _case(gguf_dir, tokenizer, f"default_{qtype.name}", qtype)
         with caplog.at_level("WARNING", logger="fw.quantizers.gguf"):

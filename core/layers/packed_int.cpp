@@ -24,10 +24,10 @@
 // broadcast activation pair.
 //
 // Activations: each row's block of 32 is quantized to int8 with scale amax / 127 (round to nearest even),
-// and its code sum kept, as llama.cpp's Q8_1; for 4-bit weights and at most RESIDUAL_MAX_ROWS rows, where
-// the product waits on memory anyway, the rounding residual follows as a second int8 term; above them only in
-// a row's heavy blocks (mark_heavy_blocks), where outlier channels make one term's rounding coarse. Then, per row
-// and block, exactly in int32:
+// and its code sum kept, as llama.cpp's Q8_1; for 4-bit and 8-bit weights and at most RESIDUAL_MAX_ROWS rows,
+// where the product waits on memory anyway, the rounding residual follows as a second int8 term; above them only
+// in a row's heavy blocks (mark_heavy_blocks), where outlier channels make one term's rounding coarse. Then, per
+// row and block, exactly in int32:
 //   q4: sum_k (d q_k + m) x_k ~ dx (d sum(q_k xq_k) + m sum(xq_k))
 //   q8: vpdpbusd takes unsigned x bytes: xq + 128, and sum((xq + 128) q) - 128 sum(q) = sum(xq q).
 //   f8: activations rounded to bf16 (exact when they are bf16), each e4m3 code widened exactly to bf16 by a
@@ -65,21 +65,22 @@ constexpr int64_t Q8_RECORD = 576;
 constexpr int64_t F8_RECORD = 576;
 constexpr int64_t PREFETCH_AHEAD = 4608;  // bytes: records are requested this far ahead of the one in use
 
-// Q4: 4-bit weights, activations in one int8 term but two in each row's heavy blocks; Q4R: two terms everywhere
-// (few rows).
-enum class Kind { Q4, Q4R, Q8, F8 };
+// Q4, Q8: 4-bit / 8-bit weights, activations in one int8 term but two in each row's heavy blocks; Q4R, Q8R: two
+// terms everywhere (few rows).
+enum class Kind { Q4, Q4R, Q8, Q8R, F8 };
 
-constexpr int64_t RESIDUAL_MAX_ROWS = 8;  // up to here 4-bit products take the residual term (memory-bound)
+constexpr int64_t RESIDUAL_MAX_ROWS = 8;  // up to here int products take the residual term (memory-bound)
 constexpr double HEAVY_FACTOR = 3.0;  // above RESIDUAL_MAX_ROWS, blocks this far above a row's mean take it too
 
 constexpr int64_t record_bytes(Kind kind) {
-  return kind == Kind::Q4 || kind == Kind::Q4R ? Q4_RECORD : kind == Kind::Q8 ? Q8_RECORD : F8_RECORD;
+  return kind == Kind::Q4 || kind == Kind::Q4R ? Q4_RECORD : kind == Kind::Q8 || kind == Kind::Q8R ? Q8_RECORD
+                                                                                                   : F8_RECORD;
 }
 
 constexpr int MR = 8;               // activation rows per pass over a tile's blocks, at most
 
-// Rows per pass: 8 keep the weights in registers for more rows; two-term q4 holds two integer sums a row.
-constexpr int rows_per_pass(Kind kind) { return kind == Kind::Q4R ? 4 : 8; }
+// Rows per pass: 8 keep the weights in registers for more rows; two-term products hold two integer sums a row.
+constexpr int rows_per_pass(Kind kind) { return kind == Kind::Q4R || kind == Kind::Q8R ? 4 : 8; }
 
 bool available() {
 #ifdef FW_PACKED_INT
@@ -133,7 +134,7 @@ void mark_heavy_blocks(int64_t M, int64_t KB, QuantizedRows& out, const double* 
   }
 }
 
-// Each row's blocks as int8 codes. With `residual` (the q4 kernel) a row becomes two: its codes q1 with scale
+// Each row's blocks as int8 codes. With `residual` (the q4 and q8 kernels) a row becomes two: its codes q1 with scale
 // s1 = amax / 127, then the rounding residual x - s1 q1 (at most s1 / 2) as codes q2 with scale s1 / 254, so
 // s1 q1 + s2 q2 is x within amax / 64,516: rows 2r and 2r + 1 of the output hold row r's two terms.
 template <typename T>
@@ -189,8 +190,9 @@ inline void prefetch_record(const uint8_t* p) {
 
 // One tile (16 output rows) times `rows` (1..MR) activation rows, over all KB blocks: acc[r] = 16 row sums.
 // Each row comes as two int8 terms (quantize_rows' residual): quantized rows 2r and 2r + 1 with scales s and
-// s / 254; with SELECTIVE only the row's heavy blocks take the second. Their integer sums S1 and S2 combine exactly in int32 as 254 S1 + S2 (at most
-// 254 * 60,960 + 60,960 in size), so a row costs one conversion and one scale, times s / 254.
+// s / 254; with SELECTIVE only the row's heavy blocks take the second. Their integer sums S1 and S2 combine
+// exactly in int32 as 254 S1 + S2 (at most 254 * 60,960 + 60,960 in size), so a row costs one conversion and
+// one scale, times s / 254.
 template <int ROWS, bool SELECTIVE>
 void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
   const QuantizedRows& a = *acts.q;
@@ -237,7 +239,9 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
   }
 }
 
-template <int ROWS>
+// As q4_tile, for 8-bit weights: unsigned activation codes (int8 + 128) times signed weights, corrected by
+// 128 * sum(q) per weight row; two terms 254 * S1 + S2 where the row takes its residual.
+template <int ROWS, bool SELECTIVE>
 void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
   const QuantizedRows& a = *acts.q;
   const int64_t K = acts.K;
@@ -251,16 +255,31 @@ void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
     const __m512i correction =  // 128 * sum(q) per row
         _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 544))), 7);
     for (int r = 0; r < ROWS; ++r) {
-      const int32_t* x = reinterpret_cast<const int32_t*>(a.codes.data() + (m0 + r) * K + b * BLOCK);
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int j = 0; j < 8; j += 2) {  // unsigned activations, signed weights
-        s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(x[j]), w[j]);
-        s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x[j + 1]), w[j + 1]);
+      const int64_t row = 2 * (m0 + r);  // the row's first term; its residual follows it
+      const int32_t* x1 = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * BLOCK);
+      const int64_t ib1 = row * KB + b;
+      if (!SELECTIVE || a.heavy[size_t((m0 + r) * KB + b)]) {
+        const int32_t* x2 = x1 + K / 4;
+        __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {  // unsigned activations, signed weights
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x1[j]), w[j]);
+          s2 = _mm512_dpbusd_epi32(s2, _mm512_set1_epi32(x2[j]), w[j]);
+        }
+        s1 = _mm512_sub_epi32(s1, correction);
+        s2 = _mm512_sub_epi32(s2, correction);
+        const __m512i both = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s1, 8), _mm512_slli_epi32(s1, 1)), s2);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib1 + KB)])),
+                                 acc[r]);
+      } else {
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(x1[j]), w[j]);
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x1[j + 1]), w[j + 1]);
+        }
+        const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), correction);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib1)])),
+                                 acc[r]);
       }
-      const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), correction);
-      const int64_t ib = (m0 + r) * KB + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib)])),
-                               acc[r]);
     }
   }
 }
@@ -328,7 +347,8 @@ template <int ROWS, Kind KIND>
 void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc) {
   if constexpr (KIND == Kind::Q4) q4_tile<ROWS, true>(tile, KB, a, m0, acc);
   else if constexpr (KIND == Kind::Q4R) q4_tile<ROWS, false>(tile, KB, a, m0, acc);
-  else if constexpr (KIND == Kind::Q8) q8_tile<ROWS>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::Q8) q8_tile<ROWS, true>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::Q8R) q8_tile<ROWS, false>(tile, KB, a, m0, acc);
 #ifdef FW_PACKED_F8
   else f8_tile<ROWS>(tile, KB, a, m0, acc);
 #endif
@@ -418,7 +438,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
-  const Kind run_kind = kind == Kind::Q4 && M <= RESIDUAL_MAX_ROWS ? Kind::Q4R : kind;
+  const bool few = M <= RESIDUAL_MAX_ROWS;
+  const Kind run_kind = kind == Kind::Q4 && few ? Kind::Q4R : kind == Kind::Q8 && few ? Kind::Q8R : kind;
   thread_local QuantizedRows q;  // reused: a decode step calls this ~120 times with the same sizes
   thread_local std::vector<uint16_t> rounded;
   Acts a;
@@ -426,11 +447,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   if (kind == Kind::F8) {
     a.bf16 = bf16_rows(x, rounded, a.ld);
   } else {
-    const bool q8 = kind == Kind::Q8, residual = kind == Kind::Q4;
+    const bool q8 = kind == Kind::Q8, residual = true;  // the second term: all blocks or the heavy ones
     if (x.scalar_type() == at::kFloat)
       quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, residual, q);
     else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, residual, q);
-    if (run_kind == Kind::Q4) {
+    if (run_kind == Kind::Q4 || run_kind == Kind::Q8) {
       const double* whole = nullptr;
       if (whole_row_squares.has_value()) {
         const at::Tensor& t = *whole_row_squares;
@@ -447,6 +468,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   if (run_kind == Kind::Q4R) run<Kind::Q4R>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (run_kind == Kind::Q8R) run<Kind::Q8R>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
   else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());
@@ -460,8 +482,9 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t N, bool f
   return linear(x, w, N, fp32_out, 0, whole_row_squares, whole_row_blocks);
 }
 
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out) {
-  return linear(x, w, N, fp32_out, 1);
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out,
+                     const std::optional<at::Tensor>& whole_row_squares, int64_t whole_row_blocks) {
+  return linear(x, w, N, fp32_out, 1, whole_row_squares, whole_row_blocks);
 }
 
 at::Tensor linear_f8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out) {
@@ -478,7 +501,8 @@ TORCH_LIBRARY(fw_packed_int, m) {
   m.def("linear_q4(Tensor x, Tensor w, int N, bool fp32_out=False, Tensor? whole_row_squares=None, "
         "int whole_row_blocks=0) -> Tensor");
   m.impl("linear_q4", c10::DispatchKey::CPU, TORCH_FN(linear_q4));
-  m.def("linear_q8(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor w, int N, bool fp32_out=False, Tensor? whole_row_squares=None, "
+        "int whole_row_blocks=0) -> Tensor");
   m.impl("linear_q8", c10::DispatchKey::CPU, TORCH_FN(linear_q8));
   m.def("linear_f8(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
   m.impl("linear_f8", c10::DispatchKey::CPU, TORCH_FN(linear_f8));

@@ -5,7 +5,7 @@
 Why one family: GGUF Q4_0/Q4_1, GPTQ and AWQ 4-bit are all 4-bit groups with a scale and a zero or min, and
 GGUF Q8_0 and row-wise int8 are 8-bit blocks with a scale; a quantization method converts its format to
 `QuantBlocks` once at load, `pack` lays it out for the kernel, and `packed_linear` runs it. The activations
-are quantized to int8 per block of 32 inside the kernel (W8A8 and W4A8, as llama.cpp's CPU path). For 4-bit
+are quantized to int8 per block of 32 inside the kernel (W8A8 and W4A8, as llama.cpp's CPU path). For int
 weights and at most RESIDUAL_MAX_ROWS rows (decode, where the product waits on memory anyway) a second int8
 term carries the first's rounding residual, so those products see activations exact to ~1.5e-5 of each
 block's largest; the int8 rounding alone costs ~0.5% of each product. Above that, where the kernel is
@@ -197,9 +197,9 @@ def packed_linear(x: torch.Tensor, weights: list[PackedWeight], fp32_out: bool =
     if flat.dtype not in (torch.float32, torch.bfloat16):
         flat = flat.float()
     if _needs_whole_rows(weights, flat.shape[0], whole_rows):
-        # the heavy blocks (4-bit, above RESIDUAL_MAX_ROWS) are chosen against the whole row's mean, as one process
+        # heavy blocks (int weights, above RESIDUAL_MAX_ROWS): chosen against the whole row's mean, as one process
         squares, blocks = whole_rows.sum(row_scale_squares(flat)), whole_rows.features // BLOCK
-        outs = [_OPS[w.bits](flat, w.data, w.rows, fp32_out, squares, blocks) if w.bits == 4 else
+        outs = [_OPS[w.bits](flat, w.data, w.rows, fp32_out, squares, blocks) if w.bits in (4, 8) else
                 _OPS[w.bits](flat, w.data, w.rows, fp32_out) for w in weights]
     else:
         outs = [_OPS[w.bits](flat, w.data, w.rows, fp32_out) for w in weights]
@@ -217,12 +217,12 @@ def layer_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return out if layer.bias is None else out + layer.bias
 
 
-RESIDUAL_MAX_ROWS = 8  # packed_int.cpp's: up to this many rows 4-bit products take the residual term
+RESIDUAL_MAX_ROWS = 8  # packed_int.cpp's: up to this many rows int products take the residual term
 HEAVY_FACTOR = 3.0  # packed_int.cpp's: above them, a row's blocks with scale^2 >= this x the row's mean take it
 
 
 def _needs_whole_rows(weights: list[PackedWeight], rows: int, whole_rows) -> bool:
-    return whole_rows is not None and rows > RESIDUAL_MAX_ROWS and any(w.bits == 4 for w in weights)
+    return whole_rows is not None and rows > RESIDUAL_MAX_ROWS and any(w.bits in (4, 8) for w in weights)
 
 
 def row_scale_squares(x: torch.Tensor) -> torch.Tensor:
@@ -234,24 +234,24 @@ def row_scale_squares(x: torch.Tensor) -> torch.Tensor:
     return (scale.double() ** 2).sum(-1)
 
 
-def quantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+def quantize_activations(x: torch.Tensor, bits: int = 8, residual: bool = True) -> torch.Tensor:
     """x [M, K] as the kernels see it (float32): each block of 32 rounded to int8 codes times amax / 127. For
-    4-bit weights the rounding residual follows as a second term of int8 codes times amax / 32,258 (the block
-    then exact to ~amax / 64,516): in every block up to RESIDUAL_MAX_ROWS rows, above them in a row's heavy
-    blocks, whose squared scale is at least HEAVY_FACTOR times the row's mean (the blocks of outlier channels,
-    which carry most of one term's rounding error)."""
+    int weights (4- and 8-bit) the rounding residual follows as a second term of int8 codes times amax / 32,258
+    (the block then exact to ~amax / 64,516): in every block up to RESIDUAL_MAX_ROWS rows, above them in a row's
+    heavy blocks, whose squared scale is at least HEAVY_FACTOR times the row's mean (the blocks of outlier channels,
+    which carry most of one term's rounding error). `residual=False`: the first term alone."""
     m, k = x.shape
     blocks = x.float().view(m, k // BLOCK, BLOCK)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     terms = []
     seen, term_scale = torch.zeros_like(blocks), scale
-    for _ in range(2 if bits == 4 else 1):
+    for _ in range(2 if residual and bits in (4, 8) else 1):
         inv = torch.where(term_scale > 0, 1 / term_scale, torch.zeros_like(term_scale))
         codes = ((blocks - seen) * inv).round().clamp(-127, 127)
         seen = seen + codes * term_scale
         terms.append(seen)
         term_scale = term_scale / 254
-    if bits == 4 and m > RESIDUAL_MAX_ROWS:
+    if residual and bits in (4, 8) and m > RESIDUAL_MAX_ROWS:
         squared = scale.double() ** 2
         heavy = squared * (k // BLOCK) >= HEAVY_FACTOR * squared.sum(1, keepdim=True)
         seen = torch.where(heavy, terms[1], terms[0])
