@@ -36,17 +36,17 @@ CORE_TO_TOOLING_IN_FUNCTIONS = {
 # Files whose function-local imports do not all say why yet: the number of silent ones may only go down.
 # Empty an entry by giving each import its comment (start-up time) or by moving it to the module's top.
 SILENT_LOCAL_IMPORTS = {
-    "core/bench/embed.py": 5, "core/bench/hf_baseline.py": 2, "core/bench/kernels.py": 14,
-    "core/bench/llamacpp_python.py": 1, "core/bench/lora.py": 7, "core/bench/offline.py": 9,
-    "core/bench/parallel.py": 8, "core/bench/plot.py": 4, "core/cli/bench.py": 17, "core/cli/doctor.py": 8,
-    "core/cli/doctor_checks.py": 14, "core/cli/doctor_env.py": 3, "core/cli/flag_reference.py": 2,
+    "core/bench/embed.py": 5, "core/bench/hf_baseline.py": 2, "core/bench/kernels.py": 13,
+    "core/bench/llamacpp_python.py": 1, "core/bench/lora.py": 7, "core/bench/offline.py": 8,
+    "core/bench/parallel.py": 8, "core/bench/plot.py": 4, "core/cli/bench.py": 17, "core/cli/doctor.py": 7,
+    "core/cli/doctor_checks.py": 9, "core/cli/doctor_env.py": 2, "core/cli/flag_reference.py": 2,
     "core/cli/main.py": 2, "core/cli/plugins_cmd.py": 6, "core/cli/serve.py": 18, "core/cli/warm_cache.py": 7,
-    "core/plugins/api_snapshot.py": 2, "core/scaffold/__init__.py": 3, "core/scaffold/port.py": 5,
+    "core/plugins/api_snapshot.py": 1, "core/scaffold/__init__.py": 3, "core/scaffold/port.py": 5,
     "core/testing/architecture.py": 5, "core/testing/attention.py": 2, "core/testing/grammar.py": 4,
     "core/testing/models.py": 7, "core/testing/moe.py": 3, "core/testing/pipeline.py": 2,
     "core/testing/pytest_plugin.py": 3, "core/testing/quantization.py": 3, "core/testing/samplers.py": 7,
     "core/testing/suite.py": 6, "core/warm/__init__.py": 1, "core/warm/collect.py": 3, "core/warm/cpp.py": 5,
-    "core/warm/grammar.py": 3, "core/warm/model.py": 8, "core/warm/resolve.py": 4, "core/warm/verify.py": 1,
+    "core/warm/grammar.py": 2, "core/warm/model.py": 8, "core/warm/resolve.py": 4, "core/warm/verify.py": 1,
     "quantizers/gguf.py": 4,
 }
 

@@ -16,6 +16,7 @@ import platform
 from typing import Any
 
 from fw.bench import BenchError
+from fw.version import __version__
 
 KINDS = ("attention", "moe")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -141,7 +142,6 @@ def bench_kernels(args: argparse.Namespace, plugins=None, progress=None) -> dict
     from fw.bench.kernels_case import median, time_call
     from fw.bench.kernels_peaks import resolve_peak
     from fw.plugins.manager import get_plugin_manager
-    from fw.version import __version__
 
     _validate(args)
     device = _device(args.device)

@@ -22,6 +22,7 @@ import torch
 from fw.bench import BenchError
 from fw.bench.prompts import make_prompt, sample_lengths
 from fw.bench.report import summarize
+from fw.version import __version__
 
 # --- prompts ---------------------------------------------------------------------------------------------------
 
@@ -164,8 +165,6 @@ def ratios(fw: dict, baseline: dict | None, keys: Sequence[str]) -> dict[str, fl
 
 def environment(llm) -> dict[str, Any]:
     import transformers
-
-    from fw.version import __version__
 
     return {"fw_version": __version__, "torch_version": torch.__version__,
             "transformers_version": transformers.__version__, "python_version": platform.python_version(),

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from fw.config import add_config_arguments, resolve_config
+from fw.errors import FwError
 
 NAME = "doctor"
 HELP = "Explain the environment, the plugins, and what would be chosen for a model and flags (and why)."
@@ -44,7 +45,6 @@ def build_report(cli: dict[str, Any], config_file: str | None, environ) -> dict[
     from fw.cli.doctor_checks import Diagnosis
     from fw.cli.doctor_config import config_sources
     from fw.cli.doctor_env import environment
-    from fw.errors import FwError
     from fw.plugins.manager import PluginManager, get_plugin_manager
 
     from fw.server.config import ServerConfig

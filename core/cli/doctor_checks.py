@@ -15,8 +15,13 @@ from typing import Any
 
 from fw.config import EngineConfig, default_step_tokens, flag_name
 from fw.errors import FwError
+from fw.model_loader.attention_needs import logit_softcap_needed, sliding_window_needed
+from fw.model_loader.hf import safetensors_files
+from fw.plan import resolve
 from fw.plan.record import SELECTIONS
+from fw.plan.rules import checkpoint_quantization, num_experts
 from fw.plugins.manager import PluginManager
+from fw.plugins.selection import select_grammar_backend
 
 # The plan's decisions doctor shows as selections (the others are in `model` and the config rows).
 PLAN_SECTIONS = SELECTIONS
@@ -93,8 +98,6 @@ class Diagnosis:
     def _plan(self) -> bool:
         """The engine's decisions (fw.plan), as the engine makes them but without downloading, plus
         doctor's own look at the files: the bundled model when no --model is given, the weight files."""
-        from fw.plan import resolve
-
         config = self.config
         if config.model is None:
             from fw.default_model import default_model
@@ -139,8 +142,6 @@ class Diagnosis:
         """A directory's weight files must be there (they are not read)."""
         if self.source.kind != "directory":
             return
-        from fw.model_loader.hf import safetensors_files
-
         try:
             self.model["weight_files"] = len(safetensors_files(self.source.path))
         except FwError as exc:
@@ -155,8 +156,6 @@ class Diagnosis:
                 self.problem(why)
 
     def _model_facts(self) -> None:
-        from fw.model_loader.attention_needs import logit_softcap_needed, sliding_window_needed
-        from fw.plan.rules import checkpoint_quantization, num_experts
 
         c, plan = self.hf_config, self.plan
         heads = getattr(c, "num_attention_heads", None)
@@ -282,7 +281,6 @@ class Diagnosis:
 
     def _grammar(self) -> None:
         from fw.grammar.constraint import CONSTRAINT_KINDS
-        from fw.plugins.selection import select_grammar_backend
 
         registry, name = self.plugins.registry("grammar_backend"), self.config.grammar_backend
         section = {**self.requested("grammar_backend"), "by_constraint_kind": {}}

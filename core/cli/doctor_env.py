@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fw.version import PLUGIN_API_VERSION, __version__
+
 # CPU flags worth showing: the vector ISA levels, and the bf16/int8 dot products and tiles that
 # decide `--dtype auto` and the speed of CPU kernels (x86 names, then Arm's).
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -90,8 +92,6 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
 
 
 def environment() -> dict[str, Any]:
-    from fw.version import PLUGIN_API_VERSION, __version__
-
     return {
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
                    "executable": sys.executable},

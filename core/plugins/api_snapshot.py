@@ -32,6 +32,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterable
 
+from fw.version import PLUGIN_API_VERSION
+
 SNAPSHOT_PATH = Path("docs/plugin-api-snapshot.json")
 REGENERATE = "python -m fw.plugins.api_snapshot --write"
 
@@ -297,8 +299,6 @@ def compute_entries(hookspec_module: ModuleType | None = None,
 
 
 def snapshot(hookspec_module: ModuleType | None = None) -> dict[str, Any]:
-    from fw.version import PLUGIN_API_VERSION
-
     return {"api_version": PLUGIN_API_VERSION, "regenerate": REGENERATE,
             "entries": compute_entries(hookspec_module)}
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fw.errors import ConfigError, FwError
+from fw.grammar.constraint import StructuredOutputsParams
 # the kept-grammar store moved to fw.grammar.kept (serving reads it); its names stay importable from here
 from fw.grammar.kept import GrammarStore, KeptGrammars, size_text, store_in_use, store_root  # noqa: F401
 from fw.warm.artifact import WarmContext, WarmItem
@@ -41,8 +42,6 @@ def read_warm_schemas(path: Path) -> list[Any]:
     """`StructuredOutputsParams` for each entry of the file: a JSON list whose entries are a JSON
     schema, an object with one of json / regex / choice / grammar / json_object (and optionally
     backend), or an OpenAI response_format object of type json_schema."""
-    from fw.grammar.constraint import StructuredOutputsParams
-
     where = f"--warm-schemas {path}"
     try:
         data = json.loads(Path(path).read_text())
