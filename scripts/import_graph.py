@@ -271,15 +271,29 @@ def render_layout(root: Path = ROOT) -> str:
     return "\n".join(rows) + "\n"
 
 
+def foundation(packages: dict[str, set[str]]) -> set[str]:
+    """The modules at the bottom: those that import no fw module outside this set (fw.errors, fw.version, ...)."""
+    names = set(packages) | {b for targets in packages.values() for b in targets}
+    base = {n for n in names if not packages.get(n)}
+    while True:
+        more = {n for n in names - base if packages.get(n, set()) <= base}
+        if not more:
+            return base
+        base |= more
+
+
 def render_graph(edges: list[Import]) -> str:
     """The package graph as text and as mermaid, and the packages that import each other."""
     packages = package_graph(edges)
     names = sorted({package(e.source) for e in edges} | {package(e.target) for e in edges})
     width = max(len(n) for n in names)
+    base = foundation(packages)
     text = ["```", *[f"{name:<{width}} -> {', '.join(sorted(packages.get(name, ()))) or '-'}" for name in names],
-            "```", "", "```mermaid", "flowchart LR"]
+            "```", "", f"The same as a diagram, without the edges into the modules everything builds on "
+            f"({', '.join(f'`{b}`' for b in sorted(base))}: they import nothing but each other):", "",
+            "```mermaid", "flowchart LR"]
     text += [f"  {a.replace('.', '_')}[{a}] --> {b.replace('.', '_')}[{b}]"
-             for a in names for b in sorted(packages.get(a, ()))]
+             for a in names if a not in base for b in sorted(packages.get(a, ())) if b not in base]
     text += ["```", ""]
     pairs = mutual(edges)
     if pairs:
