@@ -32,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterable
 
-from fw.version import PLUGIN_API_VERSION
+from fw import version  # version.PLUGIN_API_VERSION is read at each call (a test bumps it)
 
 SNAPSHOT_PATH = Path("docs/plugin-api-snapshot.json")
 REGENERATE = "python -m fw.plugins.api_snapshot --write"
@@ -299,7 +299,7 @@ def compute_entries(hookspec_module: ModuleType | None = None,
 
 
 def snapshot(hookspec_module: ModuleType | None = None) -> dict[str, Any]:
-    return {"api_version": PLUGIN_API_VERSION, "regenerate": REGENERATE,
+    return {"api_version": version.PLUGIN_API_VERSION, "regenerate": REGENERATE,
             "entries": compute_entries(hookspec_module)}
 
 
