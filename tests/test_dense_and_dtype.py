@@ -139,6 +139,49 @@ def test_loaded_model_runs_on_packed_weights(gqa_dir):
         assert linears and all(m.weight.is_mkldnn for m in linears)
 
 
+@needs_bf16_kernel
+@pytest.mark.parametrize("n,k,shards,gate_up", [
+    (960, 64, [576, 192, 192], False),  # q, k, v on whole blocks of 48 rows
+    (100, 8, [7, 41, 52], False),  # shards across block boundaries, a last block of 4 rows
+    (47, 4, [47], False), (130, 2, [1] * 130, False),
+    (3072, 32, [1536, 1536], True),  # gate, up
+    (98, 6, [13, 36, 49], True),  # a shard across the gate/up boundary; a last block of 1 + 1 outputs
+    (74, 10, [37, 37], True)])
+def test_checkpoint_rows_go_straight_into_the_blocked_layout(n, k, shards, gate_up):
+    """dense.pack_rows_into writes a weight's rows, shard by shard, as the C++ packer lays out the whole."""
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    want = torch.ops.fw_dense.pack_bf16_gated(weight) if gate_up else torch.ops.fw_dense.pack_bf16(weight)
+    got = dense.blocked_view(dense.blocked_bf16_buffer(n, k, "cpu"), n, k, gate_up)
+    got.view(torch.int16).fill_(-1)
+    first = 0
+    for rows in shards:
+        dense.pack_rows_into(got, weight[first:first + rows].float(), first)  # cast as a copy into bf16 would
+        first += rows
+    assert got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@needs_bf16_kernel
+def test_loaded_bf16_weights_are_the_packed_checkpoint(gqa_dir, monkeypatch):
+    """A bf16 model's linear weights are written into the blocked layout as the checkpoint is read (no
+    plain weight is packed afterwards): the same bytes as packing the fused plain weight."""
+    from fw.layers import linear
+    from fw.model_loader.hf import iter_safetensors
+
+    def no_plain_weight(weight, *args, **kwargs):
+        raise AssertionError("a plain weight was loaded, then packed")
+
+    monkeypatch.setattr(linear, "pack_dense_weight", no_plain_weight)
+    llm = LLM(str(gqa_dir), dtype="bfloat16", num_kv_blocks=16)
+    layer = llm.engine.loaded.model.model.layers[0]
+    tensors = {name: t.to(torch.bfloat16) for name, t in iter_safetensors(gqa_dir) if ".layers.0." in name}
+    part = "model.layers.0.{}.weight".format
+    qkv = torch.cat([tensors[part(f"self_attn.{p}_proj")] for p in "qkv"])
+    gate_up = torch.cat([tensors[part("mlp.gate_proj")], tensors[part("mlp.up_proj")]])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, torch.ops.fw_dense.pack_bf16(qkv))
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.ops.fw_dense.pack_bf16_gated(gate_up))
+    assert torch.equal(layer.mlp.down_proj.weight, torch.ops.fw_dense.pack_bf16(tensors[part("mlp.down_proj")]))
+
+
 def test_cpu_flags_are_read_from_cpuinfo():
     x86 = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n\nprocessor\t: 1\nflags\t: fpu\n"
     arm = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n"

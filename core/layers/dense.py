@@ -115,6 +115,70 @@ def pack_dense_weight(weight: torch.Tensor, device: torch.device | str, gate_up:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+_BLOCK = 48  # output columns per block of fw's bf16 layout (dense_bf16.cpp's NR); a SiLU gate/up block holds
+_HALF = 24  # up to 24 gate outputs and the same up outputs (its HALF)
+
+
+def blocked_bf16_buffer(rows: int, cols: int, device: torch.device | str) -> torch.Tensor | None:
+    """Unwritten room in the weight arena for a bf16 [rows, cols] weight in fw's blocked layout, taken when
+    the layer is built (so the weights lie in the model's order), or None where `pack_dense_weight` would
+    not give a bf16 weight of that shape that layout on `device`. `blocked_view` shapes it once the layer
+    knows whether it is a SiLU MLP's gate/up."""
+    if torch.device(device).type != "cpu" or cols % 2 or not bf16_kernel_ready():
+        return None
+    return weight_arena.take(rows * cols * 2).view(torch.bfloat16)
+
+
+def blocked_view(buffer: torch.Tensor, rows: int, cols: int, gate_up: bool) -> torch.Tensor:
+    """`buffer` shaped as `pack_dense_weight(weight [rows, cols], gate_up=gate_up)` would return it."""
+    if gate_up and rows % 2 == 0:
+        return buffer.view(2, rows // 2, cols // 2, 2)
+    return buffer.view(rows, cols // 2, 2)
+
+
+def pack_rows_into(packed: torch.Tensor, rows: torch.Tensor, first: int) -> None:
+    """Write rows [first, first + len(rows)) of a [N, K] weight into `packed` (a `blocked_view`): the bytes
+    pack_bf16 (pack_bf16_gated for a 4-D view) writes for them. Why: a checkpoint's shards (q, k and v;
+    gate and up) go from the memory-mapped file straight into the blocked layout, instead of into a
+    plain weight first that is then packed and copied into the arena."""
+    src = rows.to(torch.bfloat16).contiguous().view(torch.int32)  # [n, K / 2]: one input pair per word
+    words = packed.view(-1).view(torch.int32)
+    if packed.dim() == 4:  # rows [0, I) are gate outputs, [I, 2I) the same up outputs
+        half = packed.shape[1]
+        for part, lo in ((0, 0), (1, half)):
+            a, b = max(first, lo), min(first + len(src), lo + half)
+            if a < b:
+                _scatter(words, src[a - first:b - first], a - lo, half, _HALF, part)
+    else:
+        _scatter(words, src, first, packed.shape[0], _BLOCK, None)
+
+
+def _scatter(words: torch.Tensor, src: torch.Tensor, first: int, total: int, width: int, part: int | None) -> None:
+    """Rows [first, first + len(src)) of `total` into blocks of `width` of them: block b's words are [K/2, cols]
+    after b * K/2 * 48 words, cols = its rows (times 2 for a gate/up block, `part` 0 the gate's, 1 the up's)."""
+    kp, end, pair = src.shape[1], first + len(src), part is not None
+
+    def block(b: int) -> tuple[torch.Tensor, int]:  # (block b as [K/2, cols], first column of this part)
+        h = min(width, total - b * width)
+        start = b * kp * _BLOCK
+        return words[start:start + kp * h * (2 if pair else 1)].view(kp, -1), (part * h if pair else 0)
+
+    r = first
+    while r < end:
+        b, c = divmod(r, width)
+        if c == 0 and r + width <= end:  # whole blocks in one copy
+            n = (end - r) // width
+            region = words[b * kp * _BLOCK:(b + n) * kp * _BLOCK]
+            into = region.view(n, kp, 2, width)[:, :, part] if pair else region.view(n, kp, width)
+            into.copy_(src[r - first:r - first + n * width].view(n, width, kp).transpose(1, 2))
+            r += n * width
+            continue
+        count = min(width - c, end - r)
+        into, col = block(b)
+        into[:, col + c:col + c + count].copy_(src[r - first:r - first + count].t())
+        r += count
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight^T (+ bias), for a weight from `pack_dense_weight` (packed or plain)."""
     if is_blocked_bf16(weight):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fw.layers.dense import dense_linear, pack_dense_weight
+from fw.layers.dense import blocked_bf16_buffer, blocked_view, dense_linear, pack_dense_weight, pack_rows_into
 
 
 class LinearMethod:
@@ -47,14 +47,42 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """Dense weights in the model dtype: the reference every quantizer is compared with."""
+    """Dense weights in the model dtype: the reference every quantizer is compared with.
+
+    Where fw's bf16 CPU kernel runs them, the checkpoint's tensors are written straight into its blocked
+    layout as they are read (`dense.pack_rows_into`): the plain weight is never written, which saves a
+    start a copy of every weight and the memory it would first touch."""
 
     def create_weights(self, layer: "Linear") -> None:
         layer.weight = nn.Parameter(
             torch.empty(sum(layer.output_sizes), layer.input_size, dtype=layer.params_dtype), requires_grad=False
         )
+        layer._blocked_room = blocked_bf16_buffer(layer.output_size, layer.input_size, layer.device) \
+            if layer.params_dtype == torch.bfloat16 else None
+
+    def load_weight(self, layer: "Linear", param_name: str, tensor: torch.Tensor, shard: int | None) -> None:
+        room = layer.__dict__.pop("_blocked_room", None) if param_name == "weight" else None
+        if room is not None:  # the first shard: shape the room now that silu_gate_up is known
+            gate_up = layer.silu_gate_up and layer.bias is None
+            layer._blocked = blocked_view(room, layer.output_size, layer.input_size, gate_up)
+        blocked = layer.__dict__.get("_blocked") if param_name == "weight" else None
+        if blocked is None:
+            super().load_weight(layer, param_name, tensor, shard)
+            return
+        start = 0 if shard is None else sum(layer.output_sizes[:shard])
+        size = layer.output_size if shard is None else layer.output_sizes[shard]
+        if tuple(tensor.shape) != (size, layer.input_size):
+            where = "" if shard is None else f"[shard {shard}]"
+            raise ValueError(f"{layer.prefix}.weight{where}: checkpoint shape {tuple(tensor.shape)} "
+                             f"!= expected {(size, layer.input_size)}")
+        pack_rows_into(blocked, tensor, start)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
+        layer.__dict__.pop("_blocked_room", None)
+        blocked = layer.__dict__.pop("_blocked", None)
+        if blocked is not None:  # written as it was read
+            layer.weight = nn.Parameter(blocked, requires_grad=False)
+            return
         gate_up = layer.silu_gate_up and layer.bias is None
         packed = pack_dense_weight(layer.weight.data, layer.device, gate_up=gate_up)
         if packed is not layer.weight.data:
