@@ -26,6 +26,7 @@ from pathlib import Path
 from fw import env
 from fw.paths import cache_dir
 from fw.plugins.hookspecs import ENTRY_POINT_GROUP
+from fw.plugins.manager import PluginManager, distribution_of
 from fw.version import __version__
 
 FORMAT = 1
@@ -40,11 +41,11 @@ def record_path() -> Path:
 
 
 def _entry_points() -> list[md.EntryPoint]:
-    return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.dist.name if e.dist else "", e.name))
+    return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (distribution_of(e)[0], e.name))
 
 
 def _describe(ep: md.EntryPoint) -> list[str]:
-    return [ep.dist.name if ep.dist else "unknown", ep.dist.version if ep.dist else "unknown", ep.name, ep.value]
+    return [*distribution_of(ep), ep.name, ep.value]
 
 
 def _key(eps: list[md.EntryPoint]) -> str:
@@ -119,8 +120,6 @@ def recorded() -> tuple[list[dict], dict[str, list[str]], str] | None:
 
 def _failures_hold(rows: list[dict], eps: list[md.EntryPoint]) -> bool:
     """Each recorded failure, loaded again on its own, fails with the same row."""
-    from fw.plugins.manager import PluginManager  # here: the recorded listing's fast path loads no plugin manager
-
     by_id = {(row["distribution"], row["name"], row["module"]): row for row in rows}
     for ep in eps:
         row = by_id.get((_describe(ep)[0], ep.name, ep.value))

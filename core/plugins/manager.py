@@ -15,6 +15,7 @@ import logging
 import sys
 import traceback
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -96,6 +97,22 @@ def check_api_version(target: str | None) -> tuple[str | None, str | None]:
     return None, None
 
 
+_DISTRIBUTIONS: "weakref.WeakKeyDictionary[md.Distribution, tuple[str, str]]" = weakref.WeakKeyDictionary()
+
+
+def distribution_of(ep: md.EntryPoint) -> tuple[str, str]:
+    """(name, version) of the distribution that declares `ep` ("unknown" for neither), read once per
+    distribution: importlib.metadata parses its METADATA file again for every `.name` and `.version`, and
+    one distribution declares all of fw's built-in plugins."""
+    if ep.dist is None:
+        return "unknown", "unknown"
+    found = _DISTRIBUTIONS.get(ep.dist)
+    if found is None:
+        metadata = ep.dist.metadata
+        found = _DISTRIBUTIONS[ep.dist] = (metadata["Name"], metadata["Version"])
+    return found
+
+
 class PluginManager:
     """Owns the pluggy manager, the plugin inventory and one registry per kind."""
 
@@ -131,7 +148,7 @@ class PluginManager:
         eps = self._entry_points
         if eps is None:
             eps = md.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
-        for ep in sorted(eps, key=lambda e: (e.dist.name if e.dist else "", e.name)):
+        for ep in sorted(eps, key=lambda e: (distribution_of(e)[0], e.name)):
             self._load_entry_point(ep)
         self._collect([n for n, p in self.plugins.items() if p.error is None and not p.disabled])
         self.raise_if_strict()
@@ -143,8 +160,7 @@ class PluginManager:
         return self.allow is None or name in self.allow or dist in self.allow
 
     def _load_entry_point(self, ep: md.EntryPoint) -> None:
-        dist = ep.dist.name if ep.dist is not None else "unknown"
-        version = ep.dist.version if ep.dist is not None else "unknown"
+        dist, version = distribution_of(ep)
         if not self._enabled(ep.name, dist):
             logger.info("plugin %s (%s) disabled by FW_PLUGINS/FW_DISABLE_PLUGINS", ep.name, dist)
             self.plugins.setdefault(ep.name, PluginInfo(ep.name, dist, version, ep.value, disabled=True))
