@@ -67,4 +67,9 @@ say "loading the bundled model once (fw generate, 1 token), which records its re
 if ! fw generate --prompt "Hello" --max-tokens 1 >/dev/null; then
   say "warning: the model did not load (above); the first fw serve will repack its weights instead"
 fi
+# `fw plugins list` records its listing (fw.plugins.listing_record): a user's first one then imports no plugin.
+say "recording the plugin listing (fw plugins list)"
+if ! fw plugins list >/dev/null; then
+  say "warning: fw plugins list failed (above)"
+fi
 say "done: .venv is ready. Serve the bundled model with: .venv/bin/fw serve"
