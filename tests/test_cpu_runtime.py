@@ -306,15 +306,17 @@ def test_the_collector_pauses_for_a_start_up_and_freezes_what_it_made():
         gc.unfreeze()
 
 
-def test_fw_resumes_the_collector_when_a_start_up_fails(tmp_path, monkeypatch):
+def test_fw_pauses_the_collector_for_engine_start_ups_and_resumes_it_when_one_fails(tmp_path, monkeypatch):
     import gc
 
-    from fw.cli.main import main
-    from fw.warm import startup
+    from fw.cli import main as cli
 
     paused = []
-    pause = startup.pause_collector
-    monkeypatch.setattr(startup, "pause_collector", lambda: paused.append(gc.isenabled()) or pause())
-    assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    pause = cli.pause_collector
+    monkeypatch.setattr(cli, "pause_collector", lambda: paused.append(gc.isenabled()) or pause())
+    assert cli.main(["--log-level", "ERROR", "generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert paused == [True] and gc.isenabled()
     gc.unfreeze()
+    with pytest.raises(SystemExit):
+        cli.main(["plugins", "--help"])
+    assert paused == [True]  # only the commands that start an engine pause it

@@ -34,13 +34,10 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # here (all of run's imports): building `fw`'s parser imports this module, and `fw --help` stays light
-    from fw.warm.startup import pause_collector, resume_collector
-
-    pause_collector()  # until the engine is up (`fw` resumes it if start-up fails)
-    # here: the engine's modules, after the collector is paused
     from fw.default_model import default_model
     from fw.llm import LLM
     from fw.sampling.params import SamplingParams
+    from fw.warm.startup import resume_collector
 
     config = resolve_config(cli=vars(args), config_file=args.config)
     from fw.distributed.launch import under_launcher  # here: as above
@@ -59,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop, ignore_eos=args.ignore_eos,
     )
     llm = LLM(**{k: v for k, v in vars(config).items()})
-    resume_collector()
+    resume_collector()  # paused by `fw` for this start-up (fw.cli.main.STARTS_AN_ENGINE)
     prompt: object = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -9,7 +9,7 @@ import sys
 
 from fw.errors import FwError
 from fw.version import PLUGIN_API_VERSION, __version__
-from fw.warm.startup import resume_collector
+from fw.warm.startup import pause_collector, resume_collector
 
 
 def build_parser(plugins=None) -> argparse.ArgumentParser:
@@ -65,19 +65,34 @@ def _strict_flag(argv: list[str]) -> bool | None:
     return True if "--strict-plugins" in argv else None
 
 
-def _lists_plugins(argv: list[str]) -> bool:
-    """`fw [--log-level LEVEL] plugins list ...`."""
+def _command_words(argv: list[str]) -> list[str]:
+    """The command and its first argument: the words after `fw`'s own `--log-level LEVEL`."""
     i = 0
     while i < len(argv) and argv[i].startswith("--log-level"):
         i += 1 if "=" in argv[i] else 2
-    return argv[i:i + 2] == ["plugins", "list"]
+    return argv[i:i + 2]
+
+
+# Commands that start an engine: the collector pauses from the start (before the plugins, and torch with
+# them, are imported) until the engine is up, which resumes it (fw.warm.startup.pause_collector).
+STARTS_AN_ENGINE = ("serve", "generate")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    words = _command_words(argv)
+    if words[:1] and words[0] in STARTS_AN_ENGINE:
+        pause_collector()
+    try:
+        return _main(argv, words)
+    finally:
+        resume_collector()  # a command that failed during its start-up leaves the collector as it found it
+
+
+def _main(argv: list[str], words: list[str]) -> int:
     plugins = None
     # `fw plugins list` loads the plugins itself, and only when its record of them is out of date
-    if not any(a in ("--version", "-h", "--help") for a in argv[:1]) and not _lists_plugins(argv):
+    if not any(a in ("--version", "-h", "--help") for a in argv[:1]) and words != ["plugins", "list"]:
         from fw.plugins.manager import get_plugin_manager
 
         try:
@@ -104,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    finally:
-        resume_collector()  # a command that failed during its start-up leaves the collector as it found it
 
 
 if __name__ == "__main__":

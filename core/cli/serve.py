@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fw.config import EngineConfig, add_config_arguments, resolve_config
 from fw.errors import ConfigError
-from fw.warm.startup import mark_ready, pause_collector, resume_collector
+from fw.warm.startup import mark_ready, resume_collector
 
 NAME = "serve"
 HELP = "Serve a model over an OpenAI-compatible HTTP API."
@@ -50,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
         return run_node(engine_config)
     # before the imports and the model load: a port in use fails in a fraction of a second
     sock = listening_socket(server_config.host, server_config.port)
-    pause_collector()  # until the server is built (`fw` resumes it if start-up fails)
 
     import uvicorn
 
@@ -95,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     _end_streams_before_the_deadline(server, state, grace)
     _graceful_sigterm_exits_zero()
     _exit_when_the_engine_dies(server, async_engine)
-    resume_collector()
+    resume_collector()  # paused by `fw` for this start-up (fw.cli.main.STARTS_AN_ENGINE)
     server.run(sockets=[sock])
     if async_engine.dead is not None:
         print(f"fw: error: {async_engine.dead}", file=sys.stderr, flush=True)
