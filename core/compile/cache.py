@@ -6,7 +6,9 @@ everything a process compiles; fw needs to say, before loading anything, what
 a flag set has compiled (`fw warm-cache --check`), to bound the disk it uses,
 and never to mix two configurations. So each key gets its own torch cache
 folder (`<root>/<key>/inductor`, used as TORCHINDUCTOR_CACHE_DIR while fw
-compiles) and a manifest of the buckets warm-up compiled into it.
+compiles), each bucket's captured graph as a file (`<root>/<key>/graphs`,
+fw.compile.graphs: what a warm start loads) and a manifest of the buckets
+warm-up compiled into it.
 
 The key hashes everything that changes the compiled graphs: the model (path,
 revision, and each weight/config file's size and mtime), dtype, quantization,
@@ -43,6 +45,7 @@ from typing import Any, Iterator
 import torch
 
 from fw import __version__, env
+from fw.compile.graphs import GRAPHS, available, graph_name
 from fw.paths import cache_dir
 
 logger = logging.getLogger("fw.compile")
@@ -147,6 +150,10 @@ class CacheEntry:
         return self.folder / "inductor"
 
     @property
+    def graphs_dir(self) -> Path:
+        return self.folder / GRAPHS
+
+    @property
     def lock_path(self) -> Path:
         return self.root / f"{self.key}.lock"  # beside the folder: eviction deletes the folder, not the lock
 
@@ -157,9 +164,15 @@ class CacheEntry:
             return None
 
     def compiled_buckets(self) -> dict[str, set[int]]:
+        """The buckets a start can load: listed by the manifest, and (where torch saves graphs) with their
+        graph's file present, since that file is what a start loads."""
         data = self.manifest() or {}
         compiled = data.get("compiled", {})
-        return {"tokens": set(compiled.get("tokens", [])), "batch": set(compiled.get("batch", []))}
+        out = {dim: set(compiled.get(dim, [])) for dim in ("tokens", "batch")}
+        if available():
+            out = {dim: {b for b in values if (self.graphs_dir / graph_name(dim, b)).is_file()}
+                   for dim, values in out.items()}
+        return out
 
     def write_manifest(self, data: dict[str, Any]) -> None:
         """Atomically: a reader sees the old manifest or the new one, never half of one."""

@@ -38,9 +38,10 @@ def attach(engine: Any) -> CompiledStep:
                 entry.write_manifest(new_manifest(entry.key, inputs, sorted(step.compiled_tokens),
                                                   sorted(step.compiled_batch), step.num_compiles, seconds))
             hits = counters["inductor"]["fxgraph_cache_hit"] - hits_before
-            logger.info("torch.compile: %d graphs for %d token and %d batch buckets in %.1f s (%d from the "
-                        "cache), key %s in %s", step.num_compiles, len(buckets.tokens), len(buckets.batch),
-                        seconds, hits, entry.key, entry.root)
+            logger.info("torch.compile: %d graphs for %d token and %d batch buckets in %.1f s (%d loaded from "
+                        "their files, %d traced, %d of those from Inductor's cache), key %s in %s",
+                        step.num_compiles, len(buckets.tokens), len(buckets.batch), seconds, step.num_loaded,
+                        step.num_traced, hits, entry.key, entry.root)
             evict(entry.root, config.compile_cache_size_mb * 2**20, keep=entry.key)
     entry.touch()
     engine.runner.compiled = step

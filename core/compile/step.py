@@ -13,9 +13,13 @@ not their product:
 
 `dynamic=False`: each bucket gets a graph specialised to its shape (no
 symbolic sizes, no guards that a new size could fail), and warm-up compiles
-them all, so serving never compiles. `num_compiles` counts every graph the
-backend is asked to build (a cache hit still counts: dynamo traced it); the
-engine exposes it as `num_compilations` in its stats and on /metrics.
+them all, so serving never compiles. Where torch can (fw.compile.graphs), a
+bucket's graph is captured ahead of time and kept as a file in the cache key's
+folder, so the next start loads it without tracing; warm-up then runs only the
+smallest token bucket and the head's buckets once, as a check. `num_compiles`
+counts every graph built or loaded (`num_loaded` of them from their files,
+`num_traced` traced by dynamo here); the engine exposes it as
+`num_compilations` in its stats and on /metrics.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch import nn
 
 from fw.compile.buckets import StepBuckets
 from fw.compile.cache import CacheEntry
+from fw.compile.graphs import GraphFiles, available, portable_guards
 from fw.compile.isolated import compile_isolated
 from fw.compile.modes import check_compile_mode
 from fw.compile.ops import step_context
@@ -63,6 +68,8 @@ class CompiledStep:
         self.buckets = buckets
         self.cache = cache
         self.num_compiles = 0
+        self.num_loaded = 0  # graphs loaded from their files: no dynamo trace
+        self.num_traced = 0  # graphs dynamo traced in this process
         self.compiled_tokens: set[int] = set()  # buckets whose graph exists (compiled or loaded)
         self.compiled_batch: set[int] = set()
         self.head_compiled = True  # False once the head turned out not to be traceable (runs eagerly)
@@ -84,10 +91,15 @@ class CompiledStep:
         # engine's model in the same process, whose forward is the same code object.
         # No guards on the model's modules and parameters: a loaded fw model does not change its structure,
         # and checking ~300 of them before every call cost 2-4% of a batch-1 decode step.
+        # Saved graphs keep only the guards that serialise (fw.compile.graphs), a subset of these.
+        self._aot = available()
+        guards = portable_guards if self._aot else torch.compiler.skip_guard_on_all_nn_modules_unsafe
         options = {"fullgraph": True, "dynamic": False, "backend": self._backend, "recompile_limit": limit,
-                   "options": {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}}
+                   "options": {"guard_filter_fn": guards}}
         self._body = compile_isolated(body, **options)
         self._head = compile_isolated(head, **options)
+        self._graphs: dict[str, dict[int, Callable]] = {"tokens": {}, "batch": {}}  # the captured graphs
+        self._files = GraphFiles(cache.graphs_dir if cache is not None else None, model)
 
     # -- compilation -----------------------------------------------------------------------
 
@@ -125,9 +137,7 @@ class CompiledStep:
             if bucket != n:
                 input_ids = F.pad(input_ids, (0, bucket - n))
                 positions = F.pad(positions, (0, bucket - n))
-            with self._compiling_if(bucket not in self.compiled_tokens):
-                hidden = self._body(input_ids, positions)
-            self.compiled_tokens.add(bucket)
+            hidden = self._call("tokens", bucket, (input_ids, positions))
         return hidden[:n]
 
     def padded_rows(self, rows: list[int]) -> list[int]:
@@ -153,13 +163,42 @@ class CompiledStep:
         if index is None or index.shape[0] != bucket:
             index = torch.tensor(rows + [0] * (bucket - n), device=hidden.device)
         selected = hidden.index_select(0, index)
-        with self._context(0), self._compiling_if(bucket not in self.compiled_batch):
-            logits = self._head(selected)
-        self.compiled_batch.add(bucket)
+        with self._context(0):
+            logits = self._call("batch", bucket, (selected,))
         return logits[:n]
 
     def _context(self, num_tokens: int, meta: Any = None):
         return step_context(self.traceable.layers, meta, num_tokens, self.traceable.weights)
+
+    def _done(self, dim: str) -> set[int]:
+        return self.compiled_tokens if dim == "tokens" else self.compiled_batch
+
+    def _prepare(self, dim: str, bucket: int, example: tuple) -> Callable:
+        """The bucket's captured graph (with fw.compile.graphs): loaded from its file, else traced, compiled
+        and saved; `example` gives the inputs' shapes. Nothing runs."""
+        graph = self._graphs[dim].get(bucket)
+        if graph is None:
+            with self._torch_cache(), torch.inference_mode():  # Inductor's kernels live in the key's folder
+                graph = self._files.load(dim, bucket)
+                if graph is not None:
+                    self.num_loaded += 1
+                    self.num_compiles += 1
+                else:
+                    graph = (self._body if dim == "tokens" else self._head).aot_compile((example, {}))
+                    self.num_traced += 1
+                    self._files.save(dim, bucket, graph)
+            self._graphs[dim][bucket] = graph
+            self._done(dim).add(bucket)
+        return graph
+
+    def _call(self, dim: str, bucket: int, args: tuple) -> torch.Tensor:
+        """Run the bucket's graph (building or loading it at its first use)."""
+        if self._aot:
+            return self._prepare(dim, bucket, args)(*args)
+        with self._compiling_if(bucket not in self._done(dim)):
+            out = (self._body if dim == "tokens" else self._head)(*args)
+        self._done(dim).add(bucket)
+        return out
 
     @contextmanager
     def _compiling_if(self, first_use: bool) -> Iterator[None]:
@@ -175,40 +214,45 @@ class CompiledStep:
 
     @torch.inference_mode()
     def compile_all(self) -> None:
-        """The warm-up: run every bucket once on padding only (no KV page is touched), which compiles
-        its graph or loads it from the compile cache, and runs it once."""
+        """The warm-up: every bucket's graph compiled or loaded before serving. Captured graphs are not
+        run, except the smallest token bucket and the head's buckets (cheap), once on padding only (no KV
+        page is touched) as a check; without capture (an older torch) every bucket runs once, which is
+        what compiles it or loads it from torch's caches."""
         device = next(self.model.parameters()).device
-        hidden_size = None
+        hidden = None
         for bucket in self.buckets.tokens:
             ids = torch.zeros(bucket, dtype=torch.long, device=device)
-            hidden = self._run_body(ids, bucket)
-            hidden_size, dtype = hidden.shape[-1], hidden.dtype
+            out = self._run_body(ids, bucket, run=hidden is None or not self._aot)
+            hidden = out if hidden is None else hidden
         for bucket in self.buckets.batch:
-            rows = torch.zeros(bucket, hidden_size, dtype=dtype, device=device)
+            rows = torch.zeros(bucket, hidden.shape[-1], dtype=hidden.dtype, device=device)
             self._run_head(rows, bucket)
 
-    def _run_body(self, ids: torch.Tensor, bucket: int) -> torch.Tensor:
+    def _run_body(self, ids: torch.Tensor, bucket: int, run: bool = True) -> torch.Tensor | None:
+        args = (ids, torch.zeros_like(ids))  # two tensors: aliasing would be guarded on
         try:
-            with self._context(0), self._compiling_if(bucket not in self.compiled_tokens):
-                hidden = self._body(ids, torch.zeros_like(ids))  # two tensors: aliasing would be guarded on
+            with self._context(0):
+                if not run:
+                    self._prepare("tokens", bucket, args)
+                    return None
+                hidden = self._call("tokens", bucket, args)
         except Exception as exc:
             raise FwError(
                 f"torch.compile could not compile this model's forward step ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); run without "
                 f"--enable-torch-compile") from exc
-        self.compiled_tokens.add(bucket)
         return hidden
 
     def _run_head(self, rows: torch.Tensor, bucket: int) -> None:
         if not self.head_compiled:
             return
         try:
-            with self._context(0), self._compiling_if(bucket not in self.compiled_batch):
-                self._head(rows)
+            with self._context(0):
+                self._call("batch", bucket, (rows,))
         except Exception as exc:  # e.g. a family's own compute_logits over an opaque packed weight
             self.head_compiled = False
+            self.compiled_batch.clear()
             logger.warning("the output layer of %s cannot be compiled (%s: %s); it runs uncompiled",
                            type(self.model).__name__, type(exc).__name__,
                            str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             return
-        self.compiled_batch.add(bucket)

@@ -94,7 +94,9 @@ class PackedLinearMethod(LinearMethod):
         return self.original.weight_bytes(layer)
 
 
-def _tied_logits(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+def compute_logits(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """The tied head's stand-in, installed as the instance's `compute_logits`: named so, because a saved
+    graph (fw.compile.graphs) pickles a bound method as its object and the attribute of that name."""
     if torch.compiler.is_compiling():
         return ops.packed_linear(hidden, self._fw_tied_index, self.config.vocab_size)
     return CausalLM.compute_logits(self, hidden)
@@ -135,7 +137,7 @@ def make_traceable(model: nn.Module) -> Traceable:
         if tied is not None:
             model._fw_tied_index = ops.register_packed_weight(table, tied, None)
             if type(model).compute_logits is CausalLM.compute_logits:
-                model.compute_logits = types.MethodType(_tied_logits, model)
+                model.compute_logits = types.MethodType(compute_logits, model)
     ops.register_fused_cpu_fakes()
     model._fw_traceable = Traceable(layers, table)
     return model._fw_traceable
