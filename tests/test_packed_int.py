@@ -41,17 +41,16 @@ def test_kernel_matches_references(m, n, k, bits, dtype):
     emulated = packed_int.reference_linear(x, blocks)
     assert (got - emulated).abs().max() <= 1e-5 * emulated.abs().max()
     exact = x.double() @ blocks.dequantize().double().T
-    # int8 activations: ~0.5% here; two int8 terms (int weights, up to RESIDUAL_MAX_ROWS rows): ~1e-5
-    two_terms = bits in (4, 8) and m <= packed_int.RESIDUAL_MAX_ROWS
+    # int8 activations: ~0.5% here; two int8 terms (4-bit weights, up to RESIDUAL_MAX_ROWS rows): ~1e-5
+    two_terms = bits == 4 and m <= packed_int.RESIDUAL_MAX_ROWS
     assert (got - exact).norm() <= (1e-4 if two_terms else 2e-2) * exact.norm()
     torch.testing.assert_close(out.float(), got.float().to(dtype).float(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m", [9, 64, 300])
+@pytest.mark.parametrize("bits, m", [(4, 9), (4, 64), (4, 300), (8, 1), (8, 9), (8, 300)])
 def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m, bits):
-    """Above RESIDUAL_MAX_ROWS, a row whose outlier channels make a few blocks' scales large takes the second
-    term in those blocks only: the kernel matches the reference that models it, and its error against the
+    """Above RESIDUAL_MAX_ROWS (8-bit weights: at any size), a row whose outlier channels make a few blocks'
+    scales large takes the second term in those blocks only: the kernel matches the reference that models it, and its error against the
     exact product falls well below one term's (which the same rows without outliers keep)."""
     gen = torch.Generator().manual_seed(m)
     n, k = 96, 576
@@ -70,6 +69,18 @@ def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m, bits):
     exact = x.double() @ dense.T
     one_term = packed_int.quantize_activations(x, residual=False).double() @ dense.T  # the same int8 rounding, one term
     assert (got - exact).norm() < 0.2 * (one_term - exact).norm()
+
+
+def test_an_8bit_row_is_the_same_alone_and_among_others():
+    """8-bit products choose a row's second-term blocks by the row alone: its result is bit for bit the same in
+    a step of 1, 8, 9 or 40 rows (an LM head in a padded compiled step gives the eager step's logits)."""
+    gen = torch.Generator().manual_seed(5)
+    weight = packed_int.pack(_blocks(8, 64, 576, gen))
+    x = torch.randn(40, 576, generator=gen)
+    x[:, [3, 200]] = 30.0
+    alone = packed_int.packed_linear(x[:1], [weight], fp32_out=True)
+    for rows in (8, 9, 40):
+        assert torch.equal(packed_int.packed_linear(x[:rows], [weight], fp32_out=True)[:1], alone)
 
 
 def test_a_row_parallel_slice_chooses_heavy_blocks_against_the_whole_row():

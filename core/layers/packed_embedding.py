@@ -1,9 +1,10 @@
-"""An input embedding read from the rows of an 8-bit packed weight (`fw.layers.packed_int`'s layout).
+"""An input embedding read from the rows of its tied LM head's packed weight: an 8-bit packed weight
+(`fw.layers.packed_int`'s layout) or a bf16 weight in fw's blocked dense layout (`fw.layers.dense`).
 
-Why: a GGUF whose Q8_0 embedding is tied to the LM head keeps that tensor packed as the head (the head
-reads it every step); the embedding only needs the step's rows. Looking them up in the head's packed
-blocks, dequantized as they are read, leaves no dense copy of the vocabulary in memory (SmolLM2's is
-56.6 MB in bf16). The values are the dequantized embedding's exactly: d * q in fp32, rounded once.
+Why: a tied head is kept in the layout its kernel reads every step (a GGUF's Q8_0 blocks; the dense
+kernel's blocks of 48 rows), while the embedding only needs the step's rows. Looking them up in the head's
+layout leaves no second copy of the vocabulary in memory (SmolLM2's is 56.6 MB in bf16). The values are the
+embedding's exactly: d * q in fp32 rounded once for Q8_0, the same bf16 values for the dense layout.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fw.layers.dense import _BLOCK as DENSE_BLOCK  # rows per block of the blocked bf16 layout
+from fw.layers.dense import is_blocked_bf16
 from fw.layers.packed_int import BLOCK, RECORD_BYTES, TILE, PackedWeight
 
 _QUADS = BLOCK // 4  # an 8-bit record's codes: [quad of 4 inputs][row of the tile][4 inputs]
@@ -42,6 +45,51 @@ class PackedRowEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = gather_rows(self.packed, input_ids.reshape(-1), self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+def blocked_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (1-D) of a bf16 weight [N, K] that `pack_dense_weight` laid out in blocks (not a gate/up):
+    block b holds rows 48b .. 48b + 47 as [K / 2, 48] input pairs (the last block as [K / 2, its rows])."""
+    n, pairs = packed.shape[0], packed.shape[1]
+    flat = packed.reshape(-1)
+    whole = n // DENSE_BLOCK * DENSE_BLOCK
+    blocks = flat[:whole * 2 * pairs].view(-1, pairs, DENSE_BLOCK, 2)
+    if whole == n:
+        out = blocks[ids // DENSE_BLOCK, :, ids % DENSE_BLOCK]
+    else:  # a last block of fewer rows
+        out = packed.new_empty(ids.numel(), pairs, 2)
+        inside = ids < whole
+        head, tail = ids[inside], ids[~inside]
+        out[inside] = blocks[head // DENSE_BLOCK, :, head % DENSE_BLOCK]
+        out[~inside] = flat[whole * 2 * pairs:].view(pairs, n - whole, 2)[:, tail - whole].transpose(0, 1)
+    return out.reshape(ids.numel(), 2 * pairs).contiguous()
+
+
+class BlockedRowEmbedding(nn.Module):
+    """`nn.Embedding`'s lookup over a bf16 weight [vocab, hidden] in fw's blocked dense layout."""
+
+    def __init__(self, packed: torch.Tensor):
+        super().__init__()
+        self.packed = nn.Parameter(packed, requires_grad=False)  # the tied head's tensor: counted once, as weights
+        self.num_embeddings, self.embedding_dim = packed.shape[0], 2 * packed.shape[1]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return blocked_rows(self.packed, input_ids.reshape(-1)).view(*input_ids.shape, self.embedding_dim)
+
+
+def embedding_from_tied_head(model: nn.Module) -> bool:
+    """When a tied LM head was packed into the blocked bf16 layout (`CausalLM.tied_head`), `model.embed_tokens`
+    reads its rows there and the plain embedding is dropped. Returns whether it did."""
+    inner, head = getattr(model, "model", None), getattr(model, "tied_head", None)
+    embedding = getattr(inner, "embed_tokens", None)
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, torch.Tensor):
+        return False
+    weight = embedding.weight
+    if not is_blocked_bf16(head) or weight.dtype != torch.bfloat16 or head.shape[:2] != (weight.shape[0],
+                                                                                       weight.shape[1] // 2):
+        return False
+    inner.embed_tokens = BlockedRowEmbedding(head)
+    return True
 
 
 def embedding_from_head(model: nn.Module) -> bool:

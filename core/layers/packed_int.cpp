@@ -24,10 +24,11 @@
 // broadcast activation pair.
 //
 // Activations: each row's block of 32 is quantized to int8 with scale amax / 127 (round to nearest even),
-// and its code sum kept, as llama.cpp's Q8_1; for 4-bit and 8-bit weights and at most RESIDUAL_MAX_ROWS rows,
-// where the product waits on memory anyway, the rounding residual follows as a second int8 term; above them only
-// in a row's heavy blocks (mark_heavy_blocks), where outlier channels make one term's rounding coarse. Then, per
-// row and block, exactly in int32:
+// and its code sum kept, as llama.cpp's Q8_1; a row's heavy blocks (mark_heavy_blocks), where outlier channels
+// make one term's rounding coarse, take the rounding residual as a second int8 term. 4-bit products of at most
+// RESIDUAL_MAX_ROWS rows, where the product waits on memory anyway, take it in every block. 8-bit products
+// choose by row alone at any size, so a row's result does not depend on how many rows share the step (an LM
+// head's logits in a padded compiled step equal the eager step's). Then, per row and block, exactly in int32:
 //   q4: sum_k (d q_k + m) x_k ~ dx (d sum(q_k xq_k) + m sum(xq_k))
 //   q8: vpdpbusd takes unsigned x bytes: xq + 128, and sum((xq + 128) q) - 128 sum(q) = sum(xq q).
 //   f8: activations rounded to bf16 (exact when they are bf16), each e4m3 code widened exactly to bf16 by a
@@ -65,22 +66,21 @@ constexpr int64_t Q8_RECORD = 576;
 constexpr int64_t F8_RECORD = 576;
 constexpr int64_t PREFETCH_AHEAD = 4608;  // bytes: records are requested this far ahead of the one in use
 
-// Q4, Q8: 4-bit / 8-bit weights, activations in one int8 term but two in each row's heavy blocks; Q4R, Q8R: two
+// Q4, Q8: 4-bit / 8-bit weights, activations in one int8 term but two in each row's heavy blocks; Q4R: two
 // terms everywhere (few rows).
-enum class Kind { Q4, Q4R, Q8, Q8R, F8 };
+enum class Kind { Q4, Q4R, Q8, F8 };
 
-constexpr int64_t RESIDUAL_MAX_ROWS = 8;  // up to here int products take the residual term (memory-bound)
+constexpr int64_t RESIDUAL_MAX_ROWS = 8;  // up to here 4-bit products take the residual term (memory-bound)
 constexpr double HEAVY_FACTOR = 3.0;  // above RESIDUAL_MAX_ROWS, blocks this far above a row's mean take it too
 
 constexpr int64_t record_bytes(Kind kind) {
-  return kind == Kind::Q4 || kind == Kind::Q4R ? Q4_RECORD : kind == Kind::Q8 || kind == Kind::Q8R ? Q8_RECORD
-                                                                                                   : F8_RECORD;
+  return kind == Kind::Q4 || kind == Kind::Q4R ? Q4_RECORD : kind == Kind::Q8 ? Q8_RECORD : F8_RECORD;
 }
 
 constexpr int MR = 8;               // activation rows per pass over a tile's blocks, at most
 
 // Rows per pass: 8 keep the weights in registers for more rows; two-term products hold two integer sums a row.
-constexpr int rows_per_pass(Kind kind) { return kind == Kind::Q4R || kind == Kind::Q8R ? 4 : 8; }
+constexpr int rows_per_pass(Kind kind) { return kind == Kind::Q4R ? 4 : 8; }
 
 bool available() {
 #ifdef FW_PACKED_INT
@@ -239,9 +239,9 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
   }
 }
 
-// As q4_tile, for 8-bit weights: unsigned activation codes (int8 + 128) times signed weights, corrected by
-// 128 * sum(q) per weight row; two terms 254 * S1 + S2 where the row takes its residual.
-template <int ROWS, bool SELECTIVE>
+// As q4_tile with SELECTIVE, for 8-bit weights: unsigned activation codes (int8 + 128) times signed weights,
+// corrected by 128 * sum(q) per weight row; two terms 254 * S1 + S2 in the row's heavy blocks.
+template <int ROWS>
 void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
   const QuantizedRows& a = *acts.q;
   const int64_t K = acts.K;
@@ -258,7 +258,7 @@ void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
       const int64_t row = 2 * (m0 + r);  // the row's first term; its residual follows it
       const int32_t* x1 = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * BLOCK);
       const int64_t ib1 = row * KB + b;
-      if (!SELECTIVE || a.heavy[size_t((m0 + r) * KB + b)]) {
+      if (a.heavy[size_t((m0 + r) * KB + b)]) {
         const int32_t* x2 = x1 + K / 4;
         __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j) {  // unsigned activations, signed weights
@@ -347,8 +347,7 @@ template <int ROWS, Kind KIND>
 void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc) {
   if constexpr (KIND == Kind::Q4) q4_tile<ROWS, true>(tile, KB, a, m0, acc);
   else if constexpr (KIND == Kind::Q4R) q4_tile<ROWS, false>(tile, KB, a, m0, acc);
-  else if constexpr (KIND == Kind::Q8) q8_tile<ROWS, true>(tile, KB, a, m0, acc);
-  else if constexpr (KIND == Kind::Q8R) q8_tile<ROWS, false>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::Q8) q8_tile<ROWS>(tile, KB, a, m0, acc);
 #ifdef FW_PACKED_F8
   else f8_tile<ROWS>(tile, KB, a, m0, acc);
 #endif
@@ -438,8 +437,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
-  const bool few = M <= RESIDUAL_MAX_ROWS;
-  const Kind run_kind = kind == Kind::Q4 && few ? Kind::Q4R : kind == Kind::Q8 && few ? Kind::Q8R : kind;
+  const Kind run_kind = kind == Kind::Q4 && M <= RESIDUAL_MAX_ROWS ? Kind::Q4R : kind;
   thread_local QuantizedRows q;  // reused: a decode step calls this ~120 times with the same sizes
   thread_local std::vector<uint16_t> rounded;
   Acts a;
@@ -468,7 +466,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   if (run_kind == Kind::Q4R) run<Kind::Q4R>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
-  else if (run_kind == Kind::Q8R) run<Kind::Q8R>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
   else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());

@@ -5,11 +5,12 @@
 Why one family: GGUF Q4_0/Q4_1, GPTQ and AWQ 4-bit are all 4-bit groups with a scale and a zero or min, and
 GGUF Q8_0 and row-wise int8 are 8-bit blocks with a scale; a quantization method converts its format to
 `QuantBlocks` once at load, `pack` lays it out for the kernel, and `packed_linear` runs it. The activations
-are quantized to int8 per block of 32 inside the kernel (W8A8 and W4A8, as llama.cpp's CPU path). For int
+are quantized to int8 per block of 32 inside the kernel (W8A8 and W4A8, as llama.cpp's CPU path). For 4-bit
 weights and at most RESIDUAL_MAX_ROWS rows (decode, where the product waits on memory anyway) a second int8
 term carries the first's rounding residual, so those products see activations exact to ~1.5e-5 of each
 block's largest; the int8 rounding alone costs ~0.5% of each product. Above that, where the kernel is
-compute-bound and a second term everywhere would double the integer work, only each row's heavy blocks take
+compute-bound and a second term everywhere would double the integer work, and for 8-bit weights at any size
+(so that a row's result never depends on how many rows share the step), only each row's heavy blocks take
 it: the few blocks holding outlier channels, which carry most of one term's rounding error (figures in
 docs/quantization.md). fp8 weights
 (`Fp8Blocks`) are widened exactly to bf16 in registers and multiplied with bf16 activations (W8A16).
@@ -217,7 +218,7 @@ def layer_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return out if layer.bias is None else out + layer.bias
 
 
-RESIDUAL_MAX_ROWS = 8  # packed_int.cpp's: up to this many rows int products take the residual term
+RESIDUAL_MAX_ROWS = 8  # packed_int.cpp's: up to this many rows 4-bit products take the residual term
 HEAVY_FACTOR = 3.0  # packed_int.cpp's: above them, a row's blocks with scale^2 >= this x the row's mean take it
 
 
@@ -237,8 +238,8 @@ def row_scale_squares(x: torch.Tensor) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor, bits: int = 8, residual: bool = True) -> torch.Tensor:
     """x [M, K] as the kernels see it (float32): each block of 32 rounded to int8 codes times amax / 127. For
     int weights (4- and 8-bit) the rounding residual follows as a second term of int8 codes times amax / 32,258
-    (the block then exact to ~amax / 64,516): in every block up to RESIDUAL_MAX_ROWS rows, above them in a row's
-    heavy blocks, whose squared scale is at least HEAVY_FACTOR times the row's mean (the blocks of outlier channels,
+    (the block then exact to ~amax / 64,516) in a row's heavy blocks (for 4-bit weights up to RESIDUAL_MAX_ROWS
+    rows, in every block), whose squared scale is at least HEAVY_FACTOR times the row's mean (the blocks of outlier channels,
     which carry most of one term's rounding error). `residual=False`: the first term alone."""
     m, k = x.shape
     blocks = x.float().view(m, k // BLOCK, BLOCK)
@@ -251,7 +252,7 @@ def quantize_activations(x: torch.Tensor, bits: int = 8, residual: bool = True) 
         seen = seen + codes * term_scale
         terms.append(seen)
         term_scale = term_scale / 254
-    if residual and bits in (4, 8) and m > RESIDUAL_MAX_ROWS:
+    if residual and (bits == 8 or (bits == 4 and m > RESIDUAL_MAX_ROWS)):
         squared = scale.double() ** 2
         heavy = squared * (k // BLOCK) >= HEAVY_FACTOR * squared.sum(1, keepdim=True)
         seen = torch.where(heavy, terms[1], terms[0])

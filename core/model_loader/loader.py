@@ -18,7 +18,7 @@ from fw.distributed.group import CONTEXT_KEY as TP_CONTEXT_KEY, TensorParallel
 from fw.errors import ModelLoadError
 from fw.layers import cpu_ops, dense
 from fw.layers.context import ModelContext
-from fw.layers.packed_embedding import embedding_from_head
+from fw.layers.packed_embedding import embedding_from_head, embedding_from_tied_head
 from fw.model_config import ModelConfig, as_model_config
 from fw.model_loader.attention_needs import check_built_layers
 from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
@@ -129,6 +129,8 @@ def load_model(cfg: EngineConfig, plugins: PluginManager, tensor_parallel: Tenso
         raise ModelLoadError(f"{source.path}: checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
     if head_from_embedding:
         embedding_from_head(model)  # the embedding's rows from the head's packed blocks: no dense copy
+    else:
+        embedding_from_tied_head(model)  # the rows from a tied head packed for the dense kernel: no second copy
     bind_kv_cache(model, plan.kv_cache_dtype, kv_scales)
     model.to(device).eval()
     lap(startup.LOAD_WEIGHTS)
