@@ -3,6 +3,7 @@ engine thread keeps the thread count the user chose (torch's count is per thread
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -320,3 +321,25 @@ def test_fw_pauses_the_collector_for_engine_start_ups_and_resumes_it_when_one_fa
     with pytest.raises(SystemExit):
         cli.main(["plugins", "--help"])
     assert paused == [True]  # only the commands that start an engine pause it
+
+
+@pytest.mark.parametrize("others_busy, stale, expected", [(1.0, False, 1), (0.1, False, 2), (1.0, True, 2)])
+def test_weights_load_with_the_cores_other_processes_left(monkeypatch, others_busy, stale, expected):
+    """loading_threads: what other processes used since fw.engine.cpu_runtime was imported decides the load's
+    thread count (one on 2 cores next to a busy neighbour), which is restored afterwards; a first sample
+    older than a load's imports says nothing and changes nothing."""
+    monkeypatch.setattr(cpu_runtime.os, "sched_getaffinity", lambda pid: {0, 1})
+    hz = os.sysconf("SC_CLK_TCK")
+    start = (100.0, 0, 0)
+    seconds = 60.0 if stale else 1.0
+    now = (start[0] + seconds, int(hz * seconds * (others_busy + 1)), int(hz * seconds))  # this process: 1 core
+    monkeypatch.setattr(cpu_runtime, "_FIRST_SAMPLE", start)
+    monkeypatch.setattr(cpu_runtime, "_sample_now", lambda: now)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with cpu_runtime.loading_threads() as threads:
+            assert threads == expected == torch.get_num_threads()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -166,6 +166,46 @@ def _cpu_ticks(cpus: frozenset[int]) -> tuple[int, int]:
     return busy, int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
 
 
+_LOAD_SAMPLE_MAX_AGE_S = 30.0  # an older first sample says little about the machine now
+
+
+def _sample_now() -> tuple[float, int, int] | None:
+    try:
+        return (time.monotonic(), *_cpu_ticks(frozenset(os.sched_getaffinity(0))))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+_FIRST_SAMPLE = _sample_now()  # at import: the CPU time all processes had used when the start-up began
+
+
+@contextlib.contextmanager
+def loading_threads() -> Iterator[int]:
+    """Load weights with the cores other processes left free since this module was imported (the imports
+    before a load take about a second): one thread when a neighbour kept a core busy on a 2-core machine.
+    Why: a load is hundreds of short parallel copies, each ending at a barrier that waits for every thread,
+    and a thread that lost its core to a neighbour stalls each of them (docs/performance.md). The thread
+    count is restored afterwards; the steps have their own `ThreadGovernor`."""
+    threads = torch.get_num_threads()
+    want = threads
+    now = _sample_now() if _enabled() and threads > 1 else None
+    if now is not None and _FIRST_SAMPLE is not None and 0.2 <= now[0] - _FIRST_SAMPLE[0] <= _LOAD_SAMPLE_MAX_AGE_S:
+        governor = ThreadGovernor(threads, interval_s=_LOAD_SAMPLE_MAX_AGE_S)
+        governor._last = _FIRST_SAMPLE
+        others = governor.others_cores(*now)
+        if others is not None:
+            want = max(1, min(threads, round(len(governor._cpus) - others)))
+    if want != threads:
+        logger.info("other processes used %.1f of %d cores: loading with %d thread(s) instead of %d",
+                    others, len(governor._cpus), want, threads)
+        torch.set_num_threads(want)
+    try:
+        yield want
+    finally:
+        if want != threads:
+            torch.set_num_threads(threads)
+
+
 class ThreadGovernor:
     """Fits the step's OpenMP thread count to the cores other processes leave free.
 

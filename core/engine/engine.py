@@ -17,7 +17,7 @@ import torch
 from fw.config import EngineConfig, parse_size
 from fw.distributed.cluster import Cluster
 from fw.engine.block_manager import BlockManager
-from fw.engine.cpu_runtime import release_load_memory, spare_old_objects, tune_malloc
+from fw.engine.cpu_runtime import loading_threads, release_load_memory, spare_old_objects, tune_malloc
 from fw.engine.detokenizer import IncrementalDetokenizer
 from fw.engine.intake import request_id_and_ids
 from fw.engine.model_runner import ModelRunner
@@ -70,7 +70,8 @@ class LLMEngine:
         self.speculator = Speculator(spec_config, self.plugins.registry("proposer")) if spec_config else None
         # --tensor-parallel-size > 1: the other ranks started and joined, this process is rank 0 (fw.distributed)
         self.cluster = Cluster.start(config, self.plugins)
-        loaded = self.loaded = load_model(config, self.plugins, self.cluster.tp if self.cluster else None)
+        with loading_threads():  # fewer threads while a neighbour holds a core: no copy waits at a barrier
+            loaded = self.loaded = load_model(config, self.plugins, self.cluster.tp if self.cluster else None)
         self.tokenizer = loaded.tokenizer
         self.max_length = loaded.max_length
         self.vocab_size = loaded.hf_config.vocab_size
