@@ -50,38 +50,32 @@ def float_model(tokenizer):
     return qc.float_llama(tokenizer, seed=3)
 
 
+def _gptq_checkpoint(float_model):
+    tensors, weights = gptq_case.gptq_tensors(float_model, 4, 32, False, False, "gptq", seed=5)
+    return tensors, weights, {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
+
+
+def _awq_checkpoint(float_model):  # repacked into GPTQ's layout at load, for the same kernel
+    tensors, weights = awq_case.awq_tensors(float_model, 32)
+    return tensors, weights, {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gptq_model_runs_the_kernel_on_cuda(float_model, tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_model_runs_the_kernel_on_cuda(method, float_model, tokenizer, tmp_path, monkeypatch):
     from fw.quantizers import gptq_triton
+    from fw.quantizers.awq import AWQLinearMethod
     from fw.quantizers.gptq import GPTQLinearMethod
 
     calls = []
     real = gptq_triton.w4a16_matmul
     monkeypatch.setattr(gptq_triton, "w4a16_matmul", lambda *a: calls.append(1) or real(*a))
-    tensors, weights = gptq_case.gptq_tensors(float_model, 4, 32, False, False, "gptq", seed=5)
-    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
-    path = qc.save_checkpoint(tmp_path / "gptq", float_model, tokenizer, tensors, qcfg)
+    tensors, weights, qcfg = (_gptq_checkpoint if method == "gptq" else _awq_checkpoint)(float_model)
+    path = qc.save_checkpoint(tmp_path / method, float_model, tokenizer, tensors, qcfg)
     llm = make_llm(path, device="cuda")
-    assert qc.check_linear_outputs(llm, weights, GPTQLinearMethod, device="cuda") == 8
-    assert calls
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_awq_model_runs_the_kernel_on_cuda(float_model, tokenizer, tmp_path, monkeypatch):
-    """AWQ layers, repacked into GPTQ's layout at load, run the same kernel."""
-    from fw.quantizers import gptq_triton
-    from fw.quantizers.awq import AWQLinearMethod
-
-    calls = []
-    real = gptq_triton.w4a16_matmul
-    monkeypatch.setattr(gptq_triton, "w4a16_matmul", lambda *a: calls.append(1) or real(*a))
-    tensors, weights = awq_case.awq_tensors(float_model, 32)
-    qcfg = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
-    path = qc.save_checkpoint(tmp_path / "awq", float_model, tokenizer, tensors, qcfg)
-    llm = make_llm(path, device="cuda")
-    assert qc.check_linear_outputs(llm, weights, AWQLinearMethod, device="cuda") == 8
+    method_cls = GPTQLinearMethod if method == "gptq" else AWQLinearMethod
+    assert qc.check_linear_outputs(llm, weights, method_cls, device="cuda") == 8
     assert calls
 
 
