@@ -107,9 +107,10 @@ def pack_dense_weight(weight: torch.Tensor, device: torch.device | str, gate_up:
     if weight.dtype not in _PACKABLE_DTYPES or weight.dim() != 2:
         return weight
     if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_kernel_ready():
-        if gate_up and weight.shape[0] % 2 == 0:
-            return weight_arena.holding(torch.ops.fw_dense.pack_bf16_gated(weight.detach()))
-        return weight_arena.holding(torch.ops.fw_dense.pack_bf16(weight.detach()))
+        rows, cols = weight.shape  # written straight into the arena: pack_bf16's bytes, without a copy between
+        packed = blocked_view(weight_arena.take(rows * cols * 2).view(torch.bfloat16), rows, cols, gate_up)
+        pack_rows_into(packed, weight.detach(), 0)
+        return packed
     if not cpu_packing_available():
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
