@@ -8,9 +8,14 @@ object; `torch.compiler.load_compiled_function` brings it back in ~10 ms without
 
 Each file sits in its cache key's folder (`<key>/graphs/<tokens|batch>-<bucket>.bin`), so fw's key
 still decides what a start may load, and Inductor's compiled kernels stay in the key's `inductor/`
-folder (the loader needs them there). Guards kept in a file are the portable ones (the inputs'
-tensor metadata and the global grad/autocast state): the graph does not check the model's modules
-and parameters, which a loaded fw model never changes (the live-compiled path skips those guards too).
+folder (the loader needs them there). The file keeps the guards that serialise (the inputs' tensor
+metadata, torch's global state), none on the model's modules and parameters, which a loaded fw model
+never changes (the live-compiled path skips those too). fw does not check them before each call: it
+picks the graph by bucket itself and makes its inputs (contiguous, the bucket's shape, the step's
+dtype, in inference mode), and the global state includes the thread count, which fw's ThreadGovernor
+changes while serving: a captured graph failing that guard would stop the step (a live-compiled one
+recompiled the bucket, seconds, mid-serving). Inductor's glue kernels keep the thread count they were
+compiled for; the opaque kernels (attention, linears, norms) follow the governor.
 The model is not in the file: it is passed in again at load (`external_data`).
 
 On a torch without `aot_compile`, `available` is False and the caller compiles as before."""
@@ -65,11 +70,13 @@ class GraphFiles:
             return None
         try:
             with open(path, "rb") as f, torch.inference_mode():  # the guards' dispatch keys are those of a step
-                return torch.compiler.load_compiled_function(f, external_data={"model": self.model})
+                graph = torch.compiler.load_compiled_function(f, external_data={"model": self.model})
         except Exception as exc:  # a file from another torch build, a truncated file: compile it again
             logger.warning("compiled graph %s could not be loaded (%s: %s); compiling it again", path,
                            type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             return None
+        graph.disable_guard_check()  # see the module
+        return graph
 
     def save(self, dim: str, bucket: int, graph: Any) -> None:
         """Write the graph atomically (torch writes a temporary file and renames it)."""

@@ -187,6 +187,7 @@ class CompiledStep:
                     graph = (self._body if dim == "tokens" else self._head).aot_compile((example, {}))
                     self.num_traced += 1
                     self._files.save(dim, bucket, graph)
+                    graph.disable_guard_check()  # fw picks the graph by bucket (fw.compile.graphs says why)
             self._graphs[dim][bucket] = graph
             self._done(dim).add(bucket)
         return graph
