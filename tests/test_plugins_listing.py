@@ -21,9 +21,10 @@ TORCH_AT_EXIT = ("import sys\nfrom fw.cli.main import main\ncode = main(['plugin
 
 
 def test_a_recorded_listing_is_the_same_and_imports_no_torch(tmp_path):
-    env = pf.clean_env(FW_CACHE_DIR=str(tmp_path))
+    env = pf.clean_env(FW_CACHE_DIR=str(tmp_path / "cache"))
+    (tmp_path / "cwd").mkdir()  # `python -c` imports from its working folder: one nothing else writes to
     runs = [subprocess.run([sys.executable, "-c", TORCH_AT_EXIT], env=env, capture_output=True, text=True,
-                           timeout=120) for _ in range(2)]
+                           timeout=120, cwd=tmp_path / "cwd") for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr
     assert "torch imported: True" in runs[0].stderr  # the full listing imports the plugins, torch with them
