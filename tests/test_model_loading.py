@@ -113,3 +113,17 @@ def test_unknown_architecture_lists_the_supported_ones(gqa_dir, tmp_path) -> Non
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
         make_llm(other)
+
+
+def test_loading_initialises_no_weight_at_random(gqa_dir, monkeypatch) -> None:
+    """Every weight comes from the checkpoint: a random initialisation first (nn.Embedding's own, say) is
+    start-up time for nothing."""
+    import torch
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a weight was initialised at random while loading")
+
+    for name in ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_"):
+        monkeypatch.setattr(torch.nn.init, name, refused)
+    llm = make_llm(gqa_dir)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
