@@ -346,13 +346,15 @@ def test_newer_major_api_is_refused(root):
 
 
 def test_newer_minor_api_loads_with_a_warning(root):
-    sampler_distribution(root, "fw-newer", "newer_stage", api_version="1.9")
-    newer = r"fw-newer.*targets plugin API 1\.9, newer than this fw's " + re.escape(PLUGIN_API_VERSION)
+    major, minor = PLUGIN_API_VERSION.split(".")
+    later = f"{major}.{int(minor) + 1}"  # the next minor version, whatever this fw's is
+    sampler_distribution(root, "fw-newer", "newer_stage", api_version=later)
+    newer = r"fw-newer.*targets plugin API " + re.escape(later) + ", newer than this fw's " + re.escape(PLUGIN_API_VERSION)
     with pytest.warns(UserWarning, match=newer):
         manager = builtin_manager(root)
     info = manager.plugins["fw_newer"]
-    assert info.error is None and info.api_version == "1.9"
-    assert info.warnings == [f"targets plugin API 1.9, newer than this fw's {PLUGIN_API_VERSION}; upgrade fw"]
+    assert info.error is None and info.api_version == later
+    assert info.warnings == [f"targets plugin API {later}, newer than this fw's {PLUGIN_API_VERSION}; upgrade fw"]
     assert "newer_stage" in manager.registry("sampler")
 
 

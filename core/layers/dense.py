@@ -154,6 +154,24 @@ def pack_rows_into(packed: torch.Tensor, rows: torch.Tensor, first: int) -> None
         _scatter(words, src, first, packed.shape[0], _BLOCK, None)
 
 
+def blocked_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (1-D) of a bf16 weight [N, K] that `pack_dense_weight` laid out in blocks (not a gate/up):
+    block b holds rows 48b .. 48b + 47 as [K / 2, 48] input pairs (the last block as [K / 2, its rows])."""
+    n, pairs = packed.shape[0], packed.shape[1]
+    flat = packed.reshape(-1)
+    whole = n // _BLOCK * _BLOCK
+    blocks = flat[:whole * 2 * pairs].view(-1, pairs, _BLOCK, 2)
+    if whole == n:
+        out = blocks[ids // _BLOCK, :, ids % _BLOCK]
+    else:  # a last block of fewer rows
+        out = packed.new_empty(ids.numel(), pairs, 2)
+        inside = ids < whole
+        head, tail = ids[inside], ids[~inside]
+        out[inside] = blocks[head // _BLOCK, :, head % _BLOCK]
+        out[~inside] = flat[whole * 2 * pairs:].view(pairs, n - whole, 2)[:, tail - whole].transpose(0, 1)
+    return out.reshape(ids.numel(), 2 * pairs).contiguous()
+
+
 def _scatter(words: torch.Tensor, src: torch.Tensor, first: int, total: int, width: int, part: int | None) -> None:
     """Rows [first, first + len(src)) of `total` into blocks of `width` of them: block b's words are [K/2, cols]
     after b * K/2 * 48 words, cols = its rows (times 2 for a gate/up block, `part` 0 the gate's, 1 the up's)."""

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fw.layers.dense import _BLOCK as DENSE_BLOCK  # rows per block of the blocked bf16 layout
-from fw.layers.dense import is_blocked_bf16
+from fw.layers.dense import blocked_rows, is_blocked_bf16
 from fw.layers.packed_int import BLOCK, RECORD_BYTES, TILE, PackedWeight
 
 _QUADS = BLOCK // 4  # an 8-bit record's codes: [quad of 4 inputs][row of the tile][4 inputs]
@@ -45,24 +44,6 @@ class PackedRowEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = gather_rows(self.packed, input_ids.reshape(-1), self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
-
-
-def blocked_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` (1-D) of a bf16 weight [N, K] that `pack_dense_weight` laid out in blocks (not a gate/up):
-    block b holds rows 48b .. 48b + 47 as [K / 2, 48] input pairs (the last block as [K / 2, its rows])."""
-    n, pairs = packed.shape[0], packed.shape[1]
-    flat = packed.reshape(-1)
-    whole = n // DENSE_BLOCK * DENSE_BLOCK
-    blocks = flat[:whole * 2 * pairs].view(-1, pairs, DENSE_BLOCK, 2)
-    if whole == n:
-        out = blocks[ids // DENSE_BLOCK, :, ids % DENSE_BLOCK]
-    else:  # a last block of fewer rows
-        out = packed.new_empty(ids.numel(), pairs, 2)
-        inside = ids < whole
-        head, tail = ids[inside], ids[~inside]
-        out[inside] = blocks[head // DENSE_BLOCK, :, head % DENSE_BLOCK]
-        out[~inside] = flat[whole * 2 * pairs:].view(pairs, n - whole, 2)[:, tail - whole].transpose(0, 1)
-    return out.reshape(ids.numel(), 2 * pairs).contiguous()
 
 
 class BlockedRowEmbedding(nn.Module):
