@@ -4,7 +4,7 @@ Why: with only torch's FX-graph and AOTAutograd caches, every start still ran dy
 model once per bucket to find those caches' keys; on SmolLM2 that was ~4 s a bucket, most of a
 68-81 s warm start (docs/compile.md). torch's AOT compile (`torch.compile(fn).aot_compile`, dynamo's
 precompile) captures a bucket's graph, its guards and Inductor's compiled code in one serialisable
-object; `torch.compiler.load_compiled_function` brings it back in ~10 ms without tracing.
+object; `torch.compiler.load_compiled_function` brings it back without tracing (times: docs/compile.md).
 
 Each file sits in its cache key's folder (`<key>/graphs/<tokens|batch>-<bucket>.bin`), so fw's key
 still decides what a start may load, and Inductor's compiled kernels stay in the key's `inductor/`
