@@ -71,13 +71,16 @@ def test_echo_off_refuses_echo_with_a_400(plain):
     assert r.status_code == 200
 
 
-def test_echo_and_structured_output_are_on_by_default(llm):
+def test_echo_and_structured_output_are_on_by_default(gqa_dir):
+    # an engine of its own: the server's stepping thread must not outlive the test on the session's shared `llm`
+    llm = make_llm(gqa_dir)
     client, engine = serve(llm)
     with client as http:
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "the river", "max_tokens": 1,
                                                 "echo": True, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"].startswith("the river")
+    asyncio.run(engine.drain(5.0))
     assert llm.engine.grammar.enabled
 
 
