@@ -134,12 +134,12 @@ void mark_heavy_blocks(int64_t M, int64_t KB, QuantizedRows& out, const double* 
   }
 }
 
-// Each row's blocks as int8 codes. With `residual` (the q4 and q8 kernels) a row becomes two: its codes q1 with scale
-// s1 = amax / 127, then the rounding residual x - s1 q1 (at most s1 / 2) as codes q2 with scale s1 / 254, so
+// Each row's blocks as int8 codes in two terms (the kernels use the second where they need it): codes q1 with
+// scale s1 = amax / 127, then the rounding residual x - s1 q1 (at most s1 / 2) as codes q2 with scale s1 / 254, so
 // s1 q1 + s2 q2 is x within amax / 64,516: rows 2r and 2r + 1 of the output hold row r's two terms.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, bool residual, QuantizedRows& out) {
-  const int64_t KB = K / BLOCK, terms = residual ? 2 : 1;
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, QuantizedRows& out) {
+  const int64_t KB = K / BLOCK, terms = 2;
   out.codes.resize(size_t(terms * M * K));
   out.scale.resize(size_t(terms * M * KB));
   out.scaled_sum.resize(size_t(terms * M * KB));
@@ -445,10 +445,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   if (kind == Kind::F8) {
     a.bf16 = bf16_rows(x, rounded, a.ld);
   } else {
-    const bool q8 = kind == Kind::Q8, residual = true;  // the second term: all blocks or the heavy ones
+    const bool q8 = kind == Kind::Q8;  // unsigned codes (+128) for vpdpbusd's first operand
     if (x.scalar_type() == at::kFloat)
-      quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, residual, q);
-    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, residual, q);
+      quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, q);
+    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, q);
     if (run_kind == Kind::Q4 || run_kind == Kind::Q8) {
       const double* whole = nullptr;
       if (whole_row_squares.has_value()) {
