@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # source directory -> import name (pyproject.toml's package-dir)
 SOURCES = {"core": "fw", "architectures": "fw.architectures", "backends": "fw.backends",
            "quantizers": "fw.quantizers"}
-SKIP = ("core/scaffold/templates", "core/scaffold/examples")  # files `fw plugins new` writes out, not fw's modules
+SKIP = ("core/commands/scaffold/templates", "core/commands/scaffold/examples")  # files `fw plugins new` writes out, not fw's modules
 DOC = ROOT / "docs" / "architecture.md"
 
 

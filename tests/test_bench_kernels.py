@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from fw.bench.kernels_attention import AttentionShape, decode_metadata, traffic
-from fw.bench.kernels_peaks import known_peak, resolve_peak
-from fw.bench.plot import read_html_data
+from fw.commands.bench.kernels_attention import AttentionShape, decode_metadata, traffic
+from fw.commands.bench.kernels_peaks import known_peak, resolve_peak
+from fw.commands.bench.plot import read_html_data
 from fw.cli.main import main
 
 ATTENTION = ["bench", "kernels", "--kind", "attention", "--device", "cpu", "--dtype", "float32",

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import gguf_models
-from fw.bench import BenchError
-from fw.bench.llamacpp_baseline import LlamaCppBaseline
+from fw.commands.bench import BenchError
+from fw.commands.bench.llamacpp_baseline import LlamaCppBaseline
 from fw.cli.main import main
 
 FAKE_BENCH = '''#!{python}
@@ -110,8 +110,8 @@ def test_missing_binaries_and_non_gguf_models_are_refused(tmp_path, fake_bin):
 
 
 def test_without_binaries_or_bindings_the_error_names_both(tmp_path, monkeypatch):
-    from fw.bench import llamacpp_baseline
-    from fw.bench.llamacpp_python import LlamaCppPythonBaseline
+    from fw.commands.bench import llamacpp_baseline
+    from fw.commands.bench.llamacpp_python import LlamaCppPythonBaseline
 
     monkeypatch.setattr(llamacpp_baseline, "find_binaries", lambda: None)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
@@ -124,7 +124,7 @@ def test_python_bindings_route_generates_greedy_tokens_batched_as_alone():
     batched decode gives each sequence the tokens it gets alone, and its greedy answer starts as the
     bindings' own high-level `Llama.generate` does (later tokens may differ: another context size)."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    from fw.bench.llamacpp_python import LlamaCppPythonBaseline
+    from fw.commands.bench.llamacpp_python import LlamaCppPythonBaseline
     from fw.default_model import bundled_smollm2
     from fw.model_loader.gguf_file import GGUFModel
 

@@ -1,4 +1,4 @@
-"""`python -m fw.bench.lora` and `python -m fw.bench.embed` (the figures in docs/lora.md and
+"""`python -m fw.commands.bench.lora` and `python -m fw.commands.bench.embed` (the figures in docs/lora.md and
 docs/embeddings.md) on the tiny models: the random adapter the LoRA bench writes is a real PEFT adapter
 that changes the model, every variant runs the tokens asked, and the embedding bench compares fw with
 sentence-transformers on the same vectors. Timings are not asserted (benchmarks are commands)."""
@@ -12,8 +12,8 @@ import torch
 
 from conftest import make_llm
 from fw import LoRARequest, SamplingParams
-from fw.bench import embed as embed_bench
-from fw.bench import lora as lora_bench
+from fw.commands.bench import embed as embed_bench
+from fw.commands.bench import lora as lora_bench
 from tiny_encoders import build_bert
 
 

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from fw.bench import BenchError
-from fw.bench.offline import exact_length_ids, make_prompts, ratios, throughput_lengths
-from fw.bench.plot import read_html_data
+from fw.commands.bench import BenchError
+from fw.commands.bench.offline import exact_length_ids, make_prompts, ratios, throughput_lengths
+from fw.commands.bench.plot import read_html_data
 from fw.cli.main import main
 
 

@@ -1,4 +1,4 @@
-"""`python -m fw.bench.parallel` (issue 22's figures): TP=1, TP=2 and DP=2 engines on the tiny model, one
+"""`python -m fw.commands.bench.parallel` (issue 22's figures): TP=1, TP=2 and DP=2 engines on the tiny model, one
 round; every variant finishes and reports, and rank 0 of TP=2 holds less than one process's weights and
 half its KV bytes per page. About 15 s here (a TP worker and a DP replica start)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 @pytest.mark.slow
 def test_parallel_bench_reports_every_variant_and_per_process_bytes(gqa_dir, tmp_path, capsys):
-    from fw.bench.parallel import VARIANTS, main
+    from fw.commands.bench.parallel import VARIANTS, main
 
     out = tmp_path / "report.json"
     assert main(["--model", str(gqa_dir), "--rounds", "1", "--batch-sizes", "1,3", "--output-len", "3",

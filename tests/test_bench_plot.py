@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from fw.bench import BenchError
-from fw.bench.offline import latency_summary, ratios, throughput_summary
-from fw.bench.plot import (check_target, figure_for, histogram, read_html_data, read_png_data, startup_figure,
+from fw.commands.bench import BenchError
+from fw.commands.bench.offline import latency_summary, ratios, throughput_summary
+from fw.commands.bench.plot import (check_target, figure_for, histogram, read_html_data, read_png_data, startup_figure,
                            write_plot)
-from fw.bench.plot_svg import nice_ticks
-from fw.bench.prompts import Calibration
-from fw.bench.report import build_report
-from fw.bench.serve_load import BenchConfig, BenchmarkRun, RequestResult
+from fw.commands.bench.plot_svg import nice_ticks
+from fw.commands.bench.prompts import Calibration
+from fw.commands.bench.report import build_report
+from fw.commands.bench.serve_load import BenchConfig, BenchmarkRun, RequestResult
 
 # -- reports, made by the functions the commands use ------------------------------------------------------------
 

@@ -17,9 +17,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fw.bench import BenchError
-from fw.bench.report import build_report, format_table
-from fw.bench.serve_load import BenchConfig, arrival_offsets, benchmark
+from fw.commands.bench import BenchError
+from fw.commands.bench.report import build_report, format_table
+from fw.commands.bench.serve_load import BenchConfig, arrival_offsets, benchmark
 from fw.cli.main import main
 
 
@@ -280,7 +280,7 @@ def fw_server(gqa_dir, tmp_path) -> Iterator[str]:
 
 def test_against_fw_serve(fw_server, tmp_path, capsys):
     pytest.importorskip("matplotlib")  # the PNG plot: the bench extra (the test extra has it)
-    from fw.bench.plot import read_png_data
+    from fw.commands.bench.plot import read_png_data
 
     out, plot = tmp_path / "fw.json", tmp_path / "fw.png"
     assert main(["bench", "serve", "--base-url", fw_server, "--num-prompts", "8", "--max-concurrency", "4",

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from fw.bench.prompts import WORDS, calibration_from_counts, make_prompt, sample_lengths, words_for_tokens
-from fw.bench.report import percentile, summarize, tpot
-from fw.bench.serve_load import BenchConfig, RequestResult, StreamRecorder, api_url, arrival_offsets, build_payload
-from fw.bench.sse import SSEDecoder, parse_chunk
+from fw.commands.bench.prompts import WORDS, calibration_from_counts, make_prompt, sample_lengths, words_for_tokens
+from fw.commands.bench.report import percentile, summarize, tpot
+from fw.commands.bench.serve_load import BenchConfig, RequestResult, StreamRecorder, api_url, arrival_offsets, build_payload
+from fw.commands.bench.sse import SSEDecoder, parse_chunk
 
 
 # --- statistics ------------------------------------------------------------------------------------------------

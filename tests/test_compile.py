@@ -270,7 +270,7 @@ def test_other_families_compile_token_identically(family, tokenizer, tmp_path, c
 
 
 def _context(gqa_dir, compile_cache, **flags):
-    from fw.compile.warm import CompiledStepsArtifact
+    from fw.commands.warm_cache.compiled import CompiledStepsArtifact
     from fw.model_loader.source import local_source
     from fw.plugins.manager import get_plugin_manager
     from fw.warm.artifact import WarmContext
@@ -295,7 +295,7 @@ def test_warm_check_hits_with_the_same_flags_and_misses_with_another_dtype_or_ba
 
 
 def test_warm_artifacts_only_with_the_flag(gqa_dir, tmp_path):
-    from fw.compile import warm_artifacts
+    from fw.commands.warm_cache.compiled import warm_artifacts
     from fw.plugins.manager import get_plugin_manager
     from fw.warm.artifact import WarmContext
 

@@ -225,7 +225,7 @@ def test_thread_governor_is_off_for_one_thread_or_without_tuning(monkeypatch):
 
 
 def test_bench_contention_starts_and_stops_busy_neighbours():
-    from fw.bench.contention import busy_neighbours
+    from fw.commands.bench.contention import busy_neighbours
 
     import os
 

@@ -282,7 +282,7 @@ def test_moe_kernel_for_a_moe_model(capsys, mixtral_dir):
 
 
 def test_cpu_facts_from_cpuinfo():
-    from fw.cli.doctor_env import cpu_facts
+    from fw.commands.doctor.environment import cpu_facts
 
     cpuinfo = "processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse4_2 avx2 avx512f avx512_bf16 amx_tile\n"
     facts = cpu_facts(cpuinfo, "MemTotal:       2048 kB\n")

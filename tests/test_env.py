@@ -17,7 +17,7 @@ from fw.server.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("core", "architectures", "backends", "quantizers")
-SKIP = ("core/scaffold/templates", "core/scaffold/examples")
+SKIP = ("core/commands/scaffold/templates", "core/commands/scaffold/examples")
 FW_NAME = re.compile(r"^FW_[A-Z0-9_]+$")
 NOT_A_SWITCH = {"FW_PLUGIN_API_VERSION"}  # a plugin module's attribute, not a variable
 ALSO_AN_OPTION = {"FW_STRICT_PLUGINS"}  # the plugin manager reads it where no EngineConfig exists (fw plugins list)

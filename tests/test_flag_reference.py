@@ -11,8 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fw.cli import flag_reference
-from fw.cli.flag_reference import REGENERATE, generate
+from fw.commands import flag_reference
+from fw.commands.flag_reference import REGENERATE, generate
 from fw.config import EngineConfig, _opt, env_name, flag_name
 from fw.server.config import ServerConfig
 
@@ -88,7 +88,7 @@ def test_command_option_rows():
 
 
 def test_the_regenerate_command_prints_the_reference():
-    proc = subprocess.run([sys.executable, "-m", "fw.cli.flag_reference"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "fw.commands.flag_reference"], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == generate()

@@ -18,35 +18,28 @@ EDGES, LOCAL = import_graph.scan()
 # other fw module except the command line and the built-in plugins (tests/test_plugin_imports.py holds those
 # to the plugin API).
 TOOLING = (
-    "fw.bench", "fw.scaffold", "fw.testing",  # fw bench, fw plugins new, the conformance kit
-    "fw.plugins.api_snapshot", "fw.cli.flag_reference",  # the API snapshot, the flag reference
-    "fw.cli.bench", "fw.cli.doctor", "fw.cli.doctor_checks", "fw.cli.doctor_config", "fw.cli.doctor_env",
-    "fw.cli.warm_cache",  # the commands' CLI modules
-    # fw warm-cache (fw.warm.startup, the start-up report, and fw.warm.artifact, the artifact contract, are not)
-    "fw.warm.collect", "fw.warm.cpp", "fw.warm.grammar", "fw.warm.model", "fw.warm.resolve", "fw.warm.runner",
-    "fw.warm.verify", "fw.compile.warm",
+    "fw.commands",  # fw bench, fw doctor, fw warm-cache, fw plugins new, the flag reference, the API snapshot
+    "fw.testing",  # the conformance kit
+    # the ready-made warm-cache artifacts and what the server would pick for them: plugin API (fw.warm), run
+    # only by fw warm-cache (fw.warm.startup, the start-up report, and fw.warm.artifact, the contract, are core)
+    "fw.warm.cpp", "fw.warm.grammar", "fw.warm.resolve",
 )
 PLUGINS = ("fw.architectures", "fw.backends", "fw.quantizers")
 FRONTS = ("fw.cli",)  # the command line runs the commands: it may import them (lazily: `fw --help` stays light)
-# Core -> tooling imports inside a function, each with why it is not a module-level import.
-CORE_TO_TOOLING_IN_FUNCTIONS = {
-    ("fw.compile", "fw.compile.warm"): "fw.compile.warm_artifacts is how fw warm-cache (fw.warm.collect) finds the "
-                                       "compiled steps' artifact; the engine's import of fw.compile never loads it",
-}
 # Files whose function-local imports do not all say why yet: the number of silent ones may only go down.
 # Empty an entry by giving each import its comment (start-up time) or by moving it to the module's top.
 SILENT_LOCAL_IMPORTS = {
-    "core/bench/embed.py": 5, "core/bench/hf_baseline.py": 2, "core/bench/kernels.py": 13,
-    "core/bench/llamacpp_python.py": 1, "core/bench/lora.py": 7, "core/bench/offline.py": 8,
-    "core/bench/parallel.py": 8, "core/bench/plot.py": 4, "core/cli/bench.py": 17, "core/cli/doctor.py": 7,
-    "core/cli/doctor_checks.py": 9, "core/cli/doctor_env.py": 2, "core/cli/flag_reference.py": 2,
-    "core/cli/main.py": 2, "core/cli/plugins_cmd.py": 6, "core/cli/serve.py": 18, "core/cli/warm_cache.py": 7,
-    "core/plugins/api_snapshot.py": 1, "core/scaffold/__init__.py": 3, "core/scaffold/port.py": 5,
+    "core/commands/bench/embed.py": 5, "core/commands/bench/hf_baseline.py": 2, "core/commands/bench/kernels.py": 13,
+    "core/commands/bench/llamacpp_python.py": 1, "core/commands/bench/lora.py": 7, "core/commands/bench/offline.py": 8,
+    "core/commands/bench/parallel.py": 8, "core/commands/bench/plot.py": 4, "core/commands/bench/cli.py": 17, "core/commands/doctor/cli.py": 7,
+    "core/commands/doctor/checks.py": 9, "core/commands/doctor/environment.py": 2, "core/commands/flag_reference.py": 2,
+    "core/cli/main.py": 1, "core/cli/plugins_cmd.py": 6, "core/cli/serve.py": 18, "core/commands/warm_cache/cli.py": 7,
+    "core/commands/api_snapshot.py": 1, "core/commands/scaffold/__init__.py": 3, "core/commands/scaffold/port.py": 5,
     "core/testing/architecture.py": 5, "core/testing/attention.py": 2, "core/testing/grammar.py": 4,
     "core/testing/models.py": 7, "core/testing/moe.py": 3, "core/testing/pipeline.py": 2,
     "core/testing/pytest_plugin.py": 3, "core/testing/quantization.py": 3, "core/testing/samplers.py": 7,
-    "core/testing/suite.py": 6, "core/warm/__init__.py": 1, "core/warm/collect.py": 3, "core/warm/cpp.py": 5,
-    "core/warm/grammar.py": 2, "core/warm/model.py": 8, "core/warm/resolve.py": 4, "core/warm/verify.py": 1,
+    "core/testing/suite.py": 6, "core/warm/__init__.py": 1, "core/commands/warm_cache/collect.py": 3, "core/warm/cpp.py": 5,
+    "core/warm/grammar.py": 2, "core/commands/warm_cache/model.py": 8, "core/warm/resolve.py": 4, "core/commands/warm_cache/verify.py": 1,
     "quantizers/gguf.py": 4,
 }
 
@@ -96,10 +89,9 @@ def test_the_scan_reads_every_kind_of_import(tmp_path):
 
 
 def _core_to_tooling(edges) -> list[str]:
-    """Edges from the inference core into the tooling or the command line (the listed dispatches aside)."""
+    """Edges from the inference core into the tooling or the command line."""
     return [f"{e.source} -> {e.target}: {e.path}:{e.line}" for e in edges
-            if not _within(e.source, TOOLING + PLUGINS + FRONTS) and _within(e.target, TOOLING + FRONTS)
-            and (not e.local or (e.source, e.target) not in CORE_TO_TOOLING_IN_FUNCTIONS)]
+            if not _within(e.source, TOOLING + PLUGINS + FRONTS) and _within(e.target, TOOLING + FRONTS)]
 
 
 def test_the_inference_core_never_imports_the_tooling():
@@ -112,12 +104,11 @@ def test_the_inference_core_never_imports_the_tooling():
 
 def test_the_tooling_check_sees_a_violation():
     edge = import_graph.Import
-    assert _core_to_tooling([edge("fw.engine.engine", "fw.bench.report", "a.py", 1, True),
+    assert _core_to_tooling([edge("fw.engine.engine", "fw.commands.bench.report", "a.py", 1, True),
                              edge("fw.server.app", "fw.cli.main", "b.py", 2, False),
-                             edge("fw.compile", "fw.compile.warm", "c.py", 3, True),  # the listed dispatch
-                             edge("fw.cli.main", "fw.bench", "d.py", 4, False),  # the command line may
-                             edge("fw.warm.runner", "fw.engine.engine", "e.py", 5, False)]) == [
-        "fw.engine.engine -> fw.bench.report: a.py:1", "fw.server.app -> fw.cli.main: b.py:2"]
+                             edge("fw.cli.main", "fw.commands.bench", "d.py", 4, False),  # the command line may
+                             edge("fw.commands.warm_cache.runner", "fw.engine.engine", "e.py", 5, False)]) == [
+        "fw.engine.engine -> fw.commands.bench.report: a.py:1", "fw.server.app -> fw.cli.main: b.py:2"]
 
 
 def test_function_local_imports_say_why():

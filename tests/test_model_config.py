@@ -104,7 +104,7 @@ def test_as_model_config_passes_a_model_config_through():
 # checkpoints (it builds HF models), the recorded copy of a transformers config (every attribute, by
 # name) and the scaffold's port of a transformers class (it inspects the class it ports).
 NOT_AN_HF_CONFIG = {"core/distributed/rendezvous.py", "core/distributed/checks.py", "core/compile/isolated.py",
-                    "core/testing/models.py", "core/model_loader/config_snapshot.py", "core/scaffold/port.py"}
+                    "core/testing/models.py", "core/model_loader/config_snapshot.py", "core/commands/scaffold/port.py"}
 
 
 def test_no_layer_or_architecture_reads_the_raw_hf_config():

@@ -18,8 +18,9 @@ import pluggy
 import pytest
 import torch
 
-from fw.plugins import api_snapshot, hookspecs, specs
-from fw.plugins.api_snapshot import REGENERATE, bump_problem, check, compute_entries, diff, needed_bump
+from fw.commands import api_snapshot
+from fw.plugins import hookspecs, specs
+from fw.commands.api_snapshot import REGENERATE, bump_problem, check, compute_entries, diff, needed_bump
 from fw.plugins.deprecation import PluginApiDeprecationWarning, plugin_api_deprecation, warn_deprecated
 from fw.version import PLUGIN_API_VERSION
 
@@ -139,7 +140,7 @@ def test_a_spec_field_with_a_default_is_additive(monkeypatch, entries):
     # after the minor bump and a regenerate, all is well; the regenerate is what remains to do
     bumped = _snap("1.1", compute_entries())
     assert bump_problem(_snap("1.0", entries), bumped) is None
-    assert "regenerate it with `python -m fw.plugins.api_snapshot --write`" in check(_snap("1.0", entries), bumped)[0]
+    assert "regenerate it with `python -m fw.commands.api_snapshot --write`" in check(_snap("1.0", entries), bumped)[0]
 
 
 def test_a_required_spec_field_is_breaking_and_a_minor_bump_is_refused(monkeypatch, entries):

@@ -19,7 +19,7 @@ from fw.version import PLUGIN_API_VERSION
 from fw.cli.main import main
 from fw.cli.plugins_cmd import SCAFFOLD_KINDS
 from fw.errors import ConfigError
-from fw.scaffold import KINDS, PluginNames, new_plugin
+from fw.commands.scaffold import KINDS, PluginNames, new_plugin
 
 # kind -> the NAME each is generated under (hyphenated: the names derived from it must all agree)
 NAMES = {"architecture": "tiny-arch", "attention": "loop-attn", "quantization": "int8-channel",
@@ -167,10 +167,10 @@ def test_example_errors(tmp_path, capsys):
 
 
 def test_wheel_ships_the_examples():
-    """pyproject's package-data for fw.scaffold matches every file `--example` writes."""
+    """pyproject's package-data for fw.commands.scaffold matches every file `--example` writes."""
     setup = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
-    patterns = setup["package-data"]["fw.scaffold"]
-    from fw.scaffold.examples import EXAMPLES, example_files
+    patterns = setup["package-data"]["fw.commands.scaffold"]
+    from fw.commands.scaffold.examples import EXAMPLES, example_files
 
     for example in EXAMPLES:
         for relative in example_files(example):

@@ -13,8 +13,8 @@ import pytest
 import transformers
 
 from fw.errors import ConfigError
-from fw.scaffold import new_plugin
-from fw.scaffold.port import inspect_hf_class
+from fw.commands.scaffold import new_plugin
+from fw.commands.scaffold.port import inspect_hf_class
 from fw.testing import greedy_reference, load_reference, tiny_checkpoint, tokenizer
 
 PROMPTS = ["The quick brown fox jumps over", "def add(a, b):", "Once upon a time, in a small village"]

@@ -593,7 +593,7 @@ def test_the_server_maps_the_opt_out_and_exposes_the_counters(fresh_llm):
 
 
 def test_copy_workload_prompts_repeat_a_passage(tokenizer):
-    from fw.bench.offline import make_prompts, speculation
+    from fw.commands.bench.offline import make_prompts, speculation
 
     (a, b) = make_prompts(tokenizer, [60, 10], seed=1, workload="copy")
     assert len(a) == 60 and len(b) == 10

@@ -256,7 +256,7 @@ def test_smollm2_fp32_greedy_is_identical_with_ngram_and_with_itself_as_draft():
     greedy tokens: the same tokens without speculation, with ngram, and with SmolLM2 drafting for itself
     (every draft token accepted)."""
     from fw import LLM
-    from fw.bench.offline import make_prompts
+    from fw.commands.bench.offline import make_prompts
     from fw.default_model import bundled_smollm2
 
     gguf = bundled_smollm2()

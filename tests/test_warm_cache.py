@@ -181,7 +181,7 @@ def test_serve_starts_offline_from_the_warmed_cache(warmed, hub, caches, tmp_pat
 def test_a_damaged_weights_file_in_the_hf_cache_fails_naming_the_file(warmed, caches, tmp_path) -> None:
     from fw.errors import ModelLoadError
     from fw.model_loader.source import ModelSource
-    from fw.warm.model import hub_sizes, verify_source
+    from fw.commands.warm_cache.model import hub_sizes, verify_source
 
     copy = tmp_path / "hub"
     shutil.copytree(caches["HF_HUB_CACHE"], copy, symlinks=True)
@@ -208,7 +208,7 @@ def model_copy(gqa_dir, tmp_path) -> Path:
 
 def test_verification_accepts_a_good_checkpoint_and_names_what_is_wrong(model_copy) -> None:
     from fw.errors import ModelLoadError
-    from fw.warm.verify import verify_directory
+    from fw.commands.warm_cache.verify import verify_directory
 
     good = verify_directory(model_copy)
     assert good.files >= 4 and good.bytes > 100_000
@@ -238,7 +238,7 @@ def test_verification_accepts_a_good_checkpoint_and_names_what_is_wrong(model_co
 
 def test_a_damaged_gguf_file_fails_verification(tmp_path) -> None:
     from fw.errors import ModelLoadError
-    from fw.warm.verify import verify_gguf
+    from fw.commands.warm_cache.verify import verify_gguf
 
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 20)
@@ -311,8 +311,8 @@ def test_a_gguf_files_tokenizer_conversion_is_warmed(tokenizer, tmp_path, monkey
     from fw.config import EngineConfig
     from fw.plugins.manager import PluginManager
     from fw.warm import WarmContext
-    from fw.warm.collect import collect
-    from fw.warm.runner import run
+    from fw.commands.warm_cache.collect import collect
+    from fw.commands.warm_cache.runner import run
 
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "fw"))
     monkeypatch.setenv("FW_CPU_FUSED_OPS", "0")
@@ -366,8 +366,8 @@ def fw_warm_cache_artifacts(context, add):
 def test_plugin_and_compile_artifacts_show_in_the_report(root, model_copy, tmp_path, monkeypatch) -> None:
     from fw.config import EngineConfig
     from fw.warm import WarmContext, WarmItem
-    from fw.warm.collect import collect
-    from fw.warm.runner import run
+    from fw.commands.warm_cache.collect import collect
+    from fw.commands.warm_cache.runner import run
 
     for name, body in (("warm_ok", GOOD), ("warm_broken", BROKEN)):
         module = pf.unique(f"fwtest_{name}")
@@ -381,9 +381,9 @@ def test_plugin_and_compile_artifacts_show_in_the_report(root, model_copy, tmp_p
 
         build = check
 
-    fake = types.ModuleType("fw.compile")
+    fake = types.ModuleType("fw.commands.warm_cache.compiled")
     fake.warm_artifacts = lambda context: [Compiled()]
-    monkeypatch.setitem(sys.modules, "fw.compile", fake)
+    monkeypatch.setitem(sys.modules, "fw.commands.warm_cache.compiled", fake)
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "fw"))
     monkeypatch.setenv("FW_CPU_FUSED_OPS", "0")
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
@@ -427,8 +427,8 @@ def grammar_context(model_copy, tmp_path, monkeypatch, isolated_plugins):
 
 
 def test_warm_schemas_are_compiled_once_and_reported(grammar_context, tmp_path) -> None:
-    from fw.warm.collect import collect
-    from fw.warm.runner import run
+    from fw.commands.warm_cache.collect import collect
+    from fw.commands.warm_cache.runner import run
 
     out: list[str] = []
     result = run(collect(grammar_context), grammar_context, build=True, emit=out.append)

@@ -13,7 +13,11 @@ from fw.warm.startup import pause_collector, resume_collector
 
 
 def build_parser(plugins=None) -> argparse.ArgumentParser:
-    from fw.cli import bench, doctor, generate, plugins_cmd, serve, warm_cache
+    # here: the commands load when the parser is built, not with `fw --version` or `import fw.cli.main`
+    from fw.cli import generate, plugins_cmd, serve
+    from fw.commands.bench import cli as bench
+    from fw.commands.doctor import cli as doctor
+    from fw.commands.warm_cache import cli as warm_cache
 
     parser = argparse.ArgumentParser(prog="fw", description="fw: a plugin-first LLM inference framework")
     parser.add_argument("--version", action="version", version=f"fw {__version__} (plugin API {PLUGIN_API_VERSION})")

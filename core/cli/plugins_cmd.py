@@ -1,5 +1,5 @@
 """`fw plugins list`: every plugin, its distribution, what it provides, and load errors.
-`fw plugins new`: write a working plugin package to start from (fw.scaffold)."""
+`fw plugins new`: write a working plugin package to start from (fw.commands.scaffold)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Callable
 from fw import env
 from fw.plugins.specs import KINDS
 
-# `fw plugins new --kind` values (fw.scaffold.KINDS, listed here so building the parser stays import-light)
+# `fw plugins new --kind` values (fw.commands.scaffold.KINDS, listed here so building the parser stays import-light)
 SCAFFOLD_KINDS = ("architecture", "attention", "quantization", "sampler", "grammar")
 
 NAME = "plugins"
@@ -107,10 +107,10 @@ def _parser_warnings(manager, build_parser: Callable[[Any], argparse.ArgumentPar
 
 def run_new(args: argparse.Namespace) -> int:
     from fw.plugins.manager import get_plugin_manager
-    from fw.scaffold import KINDS as SCAFFOLDS, new_plugin
+    from fw.commands.scaffold import KINDS as SCAFFOLDS, new_plugin
 
     if args.example:
-        from fw.scaffold.examples import EXAMPLES, write_example
+        from fw.commands.scaffold.examples import EXAMPLES, write_example
 
         if args.kind or args.hf_class:
             args.new_parser.error("--example writes an existing example package; it takes no --kind or --hf-class")

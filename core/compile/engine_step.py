@@ -1,7 +1,7 @@
 """The engine's side of `--enable-torch-compile`: `attach(engine)` builds the engine's `CompiledStep`,
 compiles every bucket (unless --skip-warmup) and hands it to the model runner.
 
-Why a module of its own: the engine calls it, while `fw.compile.warm` (fw warm-cache's compiled-steps
+Why a module of its own: the engine calls it, while `fw.commands.warm_cache.compiled` (fw warm-cache's compiled-steps
 artifact) starts an engine; with `attach` in `fw.compile`'s `__init__`, beside the warm-cache entry
 point, the engine and fw.compile imported each other in a circle."""
 
