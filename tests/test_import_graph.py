@@ -29,9 +29,7 @@ FRONTS = ("fw.cli",)  # the command line runs the commands: it may import them (
 # Files whose function-local imports do not all say why yet: the number of silent ones may only go down.
 # Empty an entry by giving each import its comment (start-up time) or by moving it to the module's top.
 SILENT_LOCAL_IMPORTS = {
-    "core/commands/bench/embed.py": 5, "core/commands/bench/hf_baseline.py": 2, "core/commands/bench/kernels.py": 13,
-    "core/commands/bench/llamacpp_python.py": 1, "core/commands/bench/lora.py": 7, "core/commands/bench/offline.py": 8,
-    "core/commands/bench/parallel.py": 8, "core/commands/bench/plot.py": 4, "core/commands/bench/cli.py": 17, "core/commands/doctor/cli.py": 7,
+    "core/commands/doctor/cli.py": 7,
     "core/commands/doctor/checks.py": 9, "core/commands/doctor/environment.py": 2, "core/commands/flag_reference.py": 2,
     "core/cli/main.py": 1, "core/cli/plugins_cmd.py": 6, "core/cli/serve.py": 18, "core/commands/warm_cache/cli.py": 7,
     "core/commands/api_snapshot.py": 1, "core/commands/scaffold/__init__.py": 3, "core/commands/scaffold/port.py": 5,

@@ -10,6 +10,13 @@ import asyncio
 import json
 import sys
 
+from fw.commands.bench.contention import busy_neighbours
+from fw.commands.bench.kernels import configure as configure_kernels
+from fw.commands.bench.kernels import run as run_kernels
+from fw.commands.bench.plot import add_plot_argument, check_target, plot_after_run, read_reports, write_plot
+from fw.config import add_config_arguments, resolve_config
+from fw.default_model import default_model
+
 NAME = "bench"
 HELP = ("Benchmarks: `fw bench serve` measures an OpenAI-compatible server (fw, vLLM, TGI, SGLang) under load; "
         "`fw bench latency` / `fw bench throughput` measure fw in-process against a transformers baseline.")
@@ -37,8 +44,6 @@ def configure(p: argparse.ArgumentParser) -> None:
         description="Time every installed attention backend (paged decode) or MoE kernel that can run on the "
                     "device over a sweep of shapes; report bandwidth and FLOP/s against the device's peak. "
                     "See docs/bench.md.")
-    from fw.commands.bench.kernels import configure as configure_kernels
-
     configure_kernels(kernels)
     plot = actions.add_parser(
         "plot", help="Draw saved fw bench reports (JSON) as a PNG or HTML plot; several serve reports: a sweep.",
@@ -49,12 +54,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                       help="JSON files written by --result-json / --output-json.")
     plot.add_argument("--output", "-o", required=True, metavar="FILE", help="The plot: FILE.png or FILE.html.")
     p.set_defaults(_bench_help=p.print_help)
-
-
-def add_plot_argument(group) -> None:
-    from fw.commands.bench.plot import add_plot_argument as add
-
-    add(group)
 
 
 def configure_serve(p: argparse.ArgumentParser) -> None:
@@ -109,8 +108,6 @@ def _json_object(text: str) -> dict:
 
 
 def _configure_offline(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    from fw.config import add_config_arguments
-
     w = p.add_argument_group("workload")
     w.add_argument("--output-len", type=int, default=128, help="Tokens generated per request (default 128).")
     w.add_argument("--baseline", choices=("none", "transformers", "llama.cpp", "no-speculation"), default="none",
@@ -161,8 +158,6 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_action in ("latency", "throughput"):
         return run_offline(args)
     if args.bench_action == "kernels":
-        from fw.commands.bench.kernels import run as run_kernels
-
         return run_kernels(args)
     if args.bench_action == "plot":
         return run_plot(args)
@@ -171,17 +166,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_offline(args: argparse.Namespace) -> int:
+    # here: the engine, torch and the serve-load helpers load with the run, not with `fw --help`
     from fw.commands.bench import offline
-    from fw.commands.bench.contention import busy_neighbours
     from fw.commands.bench.report import write_json
-    from fw.config import resolve_config
-    from fw.default_model import default_model
     from fw.llm import LLM
 
     config = resolve_config(cli=vars(args), config_file=args.config)
     if args.plot:
-        from fw.commands.bench.plot import check_target
-
         check_target(args.plot)  # before the model loads and the run: a bad name or no matplotlib fails now
     if config.model is None:
         config.model = default_model()
@@ -202,16 +193,12 @@ def run_offline(args: argparse.Namespace) -> int:
     report["workload"]["contention"] = args.contention
     if args.output_json:
         write_json(report, args.output_json)
-    from fw.commands.bench.plot import plot_after_run
-
     plot_after_run(report, args.plot)
     print(offline.format_table(report))
     return 0
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from fw.commands.bench.plot import read_reports, write_plot
-
     write_plot(read_reports(args.reports), args.output)
     print(f"fw bench: plot written to {args.output}", file=sys.stderr)
     return 0
@@ -219,6 +206,7 @@ def run_plot(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Exit status 0 when at least one request completed, 1 when none did (the numbers mean nothing)."""
+    # here: the load generator imports httpx, which would cost `fw --help` 70 ms
     from fw.commands.bench.report import build_report, format_table, write_json
     from fw.commands.bench.serve_load import BenchConfig, api_url, benchmark
 
@@ -232,16 +220,12 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     cfg.validate()
     if args.plot:
-        from fw.commands.bench.plot import check_target
-
         check_target(args.plot)
     result = asyncio.run(benchmark(cfg, progress=not args.no_progress))
     report = build_report(result)
     if args.result_json:  # first: a reader that closes stdout (`| head`) must not cost the result file
         write_json(report, args.result_json)
     if report["completed"]:
-        from fw.commands.bench.plot import plot_after_run
-
         plot_after_run(report, args.plot)
     elif args.plot:
         print(f"fw bench: no request completed, so no plot ({args.plot} not written)", file=sys.stderr)

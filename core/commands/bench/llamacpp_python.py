@@ -23,7 +23,7 @@ PREFILL_CHUNK = 512  # tokens per llama_decode of a prompt (llama-batched-bench'
 
 def _bindings() -> Any:
     try:
-        import llama_cpp
+        import llama_cpp  # here: an optional extra (fw[llamacpp]); its absence is a clear error below
     except ImportError:
         raise BenchError("--baseline llama.cpp needs llama.cpp: either --llama-cpp-bin DIR (the folder with its "
                          "llama-bench and llama-batched-bench; docs/bench.md says how to build them) or the "

@@ -20,9 +20,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
+from fw import LLM, LoRARequest
 from fw.commands.bench import BenchError
+from fw.commands.bench.offline import exact_length_ids, fw_params
 from fw.default_model import default_model
 from fw.errors import ModelLoadError
+from fw.layers.blocks import FUSED_PROJECTIONS
+from fw.layers.linear import Linear
 
 VARIANTS = ("base", "lora_engine_base", "adapter")
 
@@ -30,12 +37,6 @@ VARIANTS = ("base", "lora_engine_base", "adapter")
 def write_random_adapter(model, path: str | Path, rank: int, seed: int = 0) -> int:
     """A random PEFT adapter (`adapter_config.json`, `adapter_model.safetensors`) on every linear layer of
     `model` (fw's fused q/k/v and gate/up split back into Hugging Face's module names); the modules written."""
-    import torch
-    from safetensors.torch import save_file
-
-    from fw.layers.blocks import FUSED_PROJECTIONS
-    from fw.layers.linear import Linear
-
     unfused = {}
     for name, (fused, shard) in FUSED_PROJECTIONS.items():
         unfused.setdefault(fused.strip("."), {})[shard] = name.strip(".")
@@ -64,11 +65,6 @@ def write_random_adapter(model, path: str | Path, rank: int, seed: int = 0) -> i
 
 def run(model: str, rank: int, batch_sizes: list[int], rounds: int, input_len: int, output_lens: dict[int, int],
         engine_options: dict) -> dict:
-    import torch
-
-    from fw import LLM, LoRARequest
-    from fw.commands.bench.offline import exact_length_ids, fw_params
-
     base = LLM(model, **engine_options)
     lora = LLM(model, enable_lora=True, max_lora_rank=max(rank, 1), **engine_options)
     folder = tempfile.mkdtemp(prefix="fw-bench-lora-")

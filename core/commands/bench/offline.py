@@ -18,10 +18,14 @@ import time
 from typing import Any, Sequence
 
 import torch
+from tqdm import tqdm
 
 from fw.commands.bench import BenchError
+from fw.commands.bench.llamacpp_baseline import LlamaCppBaseline, find_binaries
+from fw.commands.bench.llamacpp_python import LlamaCppPythonBaseline
 from fw.commands.bench.prompts import make_prompt, sample_lengths
 from fw.commands.bench.report import summarize
+from fw.sampling.params import SamplingParams
 from fw.version import __version__
 
 # --- prompts ---------------------------------------------------------------------------------------------------
@@ -88,8 +92,6 @@ def throughput_lengths(input_len: int, input_len_range: float, num_prompts: int,
 
 
 def fw_params(output_len: int, speculative: bool = True):
-    from fw.sampling.params import SamplingParams
-
     return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, speculative=speculative)
 
 
@@ -121,8 +123,6 @@ def fw_throughput(llm, prompts: list[list[int]], output_len: int, speculative: b
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False)
 
 
@@ -164,7 +164,7 @@ def ratios(fw: dict, baseline: dict | None, keys: Sequence[str]) -> dict[str, fl
 
 
 def environment(llm) -> dict[str, Any]:
-    import transformers
+    import transformers  # here: transformers costs 0.6 s of start-up; only its version is read, after the run
 
     return {"fw_version": __version__, "torch_version": torch.__version__,
             "transformers_version": transformers.__version__, "python_version": platform.python_version(),
@@ -184,10 +184,10 @@ class TransformersBaseline:
     name = "transformers"
 
     def __init__(self, llm, progress: bool = True):
-        from fw.commands.bench import hf_baseline
+        from fw.commands.bench import hf_baseline  # here: transformers' models load only for this baseline
 
         if not progress:
-            from transformers.utils import logging as hf_logging
+            from transformers.utils import logging as hf_logging  # here: as above
 
             hf_logging.disable_progress_bar()  # its GGUF conversion bar
 
@@ -245,16 +245,10 @@ def make_baseline(kind: str, llm, llama_cpp_bin: str | None = None, progress: bo
     if kind == "no-speculation":
         return NoSpeculationBaseline(llm)
     if kind == "llama.cpp":
-        import torch
-
-        from fw.commands.bench.llamacpp_baseline import LlamaCppBaseline, find_binaries
-
         model, threads = llm.engine.loaded.source.path, torch.get_num_threads()
         binaries = llama_cpp_bin or find_binaries()
         if binaries is not None:
             return LlamaCppBaseline(binaries, model, threads)
-        from fw.commands.bench.llamacpp_python import LlamaCppPythonBaseline
-
         return LlamaCppPythonBaseline(model, threads)
     raise BenchError(f"--baseline must be one of {', '.join(BASELINES)}; got {kind!r}")
 

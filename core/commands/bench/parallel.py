@@ -20,13 +20,19 @@ import statistics
 import sys
 import time
 
+import torch
+
+from fw.commands.bench.offline import exact_length_ids, fw_params
+from fw.config import EngineConfig
+from fw.distributed.data_parallel import DataParallelEngine
+from fw.engine.engine import LLMEngine
+from fw.engine.factory import create_engine
+
 VARIANTS = ("tp1", "tp1_1thread", "tp2", "dp2")
 
 
 def _drive(engine, prompts: list[list[int]], output_len: int) -> float:
     """Seconds to finish every prompt on `engine` (LLMEngine or DataParallelEngine)."""
-    from fw.commands.bench.offline import fw_params
-
     params = fw_params(output_len, speculative=False)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
@@ -39,8 +45,6 @@ def _drive(engine, prompts: list[list[int]], output_len: int) -> float:
 def _threads(engine, count: int, governed: bool) -> None:
     """Step `engine` with `count` threads; `governed`: as many as its ThreadGovernor allows now (fewer while
     other processes hold cores), the way it runs when serving."""
-    import torch
-
     governor = getattr(getattr(engine, "runner", None), "governor", None)
     if governor is not None:
         governor.max_threads = count if governed else 1
@@ -58,14 +62,6 @@ def footprint(engine) -> dict:
 
 
 def run(model: str, batch_sizes: list[int], rounds: int, input_len: int, output_len: int, options: dict) -> dict:
-    import torch
-
-    from fw.commands.bench.offline import exact_length_ids
-    from fw.config import EngineConfig
-    from fw.distributed.data_parallel import DataParallelEngine
-    from fw.engine.engine import LLMEngine
-    from fw.engine.factory import create_engine
-
     config = EngineConfig(model=model, **options)
     one = LLMEngine(config)
     engines = {"tp1": one, "tp1_1thread": one, "tp2": LLMEngine(dataclasses.replace(config, tensor_parallel_size=2)),

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import json
 import math
+import struct
+import sys
 import textwrap
+import zlib
 from dataclasses import asdict, dataclass, field
 from html import escape
 from operator import itemgetter
@@ -303,7 +306,7 @@ def _matplotlib():
         raise BenchError(f"PNG plots need matplotlib: {INSTALL_HINT} (or give an .html file: its plot needs "
                          "nothing installed)") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # here: as above, and after choosing the Agg backend
 
     return plt
 
@@ -399,9 +402,6 @@ _DRAW_MPL = {"histogram": _mpl_histogram, "bars": _mpl_bars, "grouped": _mpl_gro
 
 def read_png_data(path: str | Path) -> dict[str, Any]:
     """The figure a PNG written here carries (its `fw-plot-data` text chunk)."""
-    import struct
-    import zlib
-
     data = Path(path).read_bytes()
     if not data.startswith(b"\x89PNG\r\n\x1a\n"):
         raise ValueError(f"{path} is not a PNG file")
@@ -477,7 +477,5 @@ def add_plot_argument(group) -> None:
 def plot_after_run(report: dict[str, Any], path: str | None) -> None:
     """`--plot FILE` once the report is written (the file was checked before the run by `check_target`)."""
     if path:
-        import sys
-
         write_plot(report, path)
         print(f"fw bench: plot written to {path}", file=sys.stderr)
