@@ -29,15 +29,13 @@ FRONTS = ("fw.cli",)  # the command line runs the commands: it may import them (
 # Files whose function-local imports do not all say why yet: the number of silent ones may only go down.
 # Empty an entry by giving each import its comment (start-up time) or by moving it to the module's top.
 SILENT_LOCAL_IMPORTS = {
-    "core/commands/doctor/cli.py": 7,
-    "core/commands/doctor/checks.py": 9, "core/commands/doctor/environment.py": 2, "core/commands/flag_reference.py": 2,
-    "core/cli/main.py": 1, "core/cli/plugins_cmd.py": 6, "core/cli/serve.py": 18, "core/commands/warm_cache/cli.py": 7,
+    "core/cli/main.py": 1, "core/cli/plugins_cmd.py": 6, "core/cli/serve.py": 18,
     "core/commands/api_snapshot.py": 1, "core/commands/scaffold/__init__.py": 3, "core/commands/scaffold/port.py": 5,
     "core/testing/architecture.py": 5, "core/testing/attention.py": 2, "core/testing/grammar.py": 4,
     "core/testing/models.py": 7, "core/testing/moe.py": 3, "core/testing/pipeline.py": 2,
     "core/testing/pytest_plugin.py": 3, "core/testing/quantization.py": 3, "core/testing/samplers.py": 7,
-    "core/testing/suite.py": 6, "core/warm/__init__.py": 1, "core/commands/warm_cache/collect.py": 3, "core/warm/cpp.py": 5,
-    "core/warm/grammar.py": 2, "core/commands/warm_cache/model.py": 8, "core/warm/resolve.py": 4, "core/commands/warm_cache/verify.py": 1,
+    "core/testing/suite.py": 6, "core/warm/__init__.py": 1, "core/warm/cpp.py": 5,
+    "core/warm/grammar.py": 2, "core/warm/resolve.py": 4,
     "quantizers/gguf.py": 4,
 }
 

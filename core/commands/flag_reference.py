@@ -15,8 +15,10 @@ import dataclasses
 import sys
 from typing import Any, Iterator
 
+from fw.cli.main import build_parser
 from fw.config import EngineConfig, _fields, env_name, flag_name
 from fw.env import SWITCHES
+from fw.server.config import ServerConfig
 
 REGENERATE = "python -m fw.commands.flag_reference > docs/flags.md"
 
@@ -25,8 +27,6 @@ _CONFIG_GROUPS = {"engine options": EngineConfig}
 
 
 def _server_config() -> type:
-    from fw.server.config import ServerConfig
-
     return ServerConfig
 
 
@@ -131,8 +131,6 @@ def _config_rows(cls: type) -> list[list[str]]:
 
 def generate() -> str:
     """The whole of docs/flags.md."""
-    from fw.cli.main import build_parser
-
     root = build_parser(plugins=None)
     commands = list(_walk(root, "fw"))
     takes: dict[str, list[str]] = {"engine options": [], "server options": []}

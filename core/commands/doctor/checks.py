@@ -13,15 +13,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
+from fw.commands.doctor.config import show
+from fw.compile.modes import cuda_graph_refusal
 from fw.config import EngineConfig, default_step_tokens, flag_name
+from fw.default_model import default_model
+from fw.engine.factory import resolve_task
 from fw.errors import FwError
+from fw.grammar.constraint import CONSTRAINT_KINDS
 from fw.model_loader.attention_needs import logit_softcap_needed, sliding_window_needed
 from fw.model_loader.hf import safetensors_files
+from fw.model_loader.loader import eos_ids
 from fw.plan import resolve
 from fw.plan.record import SELECTIONS
 from fw.plan.rules import checkpoint_quantization, num_experts
 from fw.plugins.manager import PluginManager
 from fw.plugins.selection import select_grammar_backend
+from fw.pooling.config import resolve_pooling
+from fw.server.tools.plan import select_tool_parser, template_text
 
 # The plan's decisions doctor shows as selections (the others are in `model` and the config rows).
 PLAN_SECTIONS = SELECTIONS
@@ -100,8 +110,6 @@ class Diagnosis:
         doctor's own look at the files: the bundled model when no --model is given, the weight files."""
         config = self.config
         if config.model is None:
-            from fw.default_model import default_model
-
             try:
                 name = default_model()
             except FwError as exc:
@@ -149,8 +157,6 @@ class Diagnosis:
 
     def _compile_mode(self) -> None:
         if self.config.enable_torch_compile:
-            from fw.compile.modes import cuda_graph_refusal
-
             why = cuda_graph_refusal(self.config.compile_mode, self.device.type)
             if why:
                 self.problem(why)
@@ -176,8 +182,6 @@ class Diagnosis:
         })
 
     def _tokenizer(self) -> None:
-        from fw.model_loader.loader import eos_ids
-
         tok = self.tokenizer
         if tok is None:  # the plan says why (a problem)
             return
@@ -189,9 +193,6 @@ class Diagnosis:
     def _task(self) -> None:
         """--task against the architecture (fw.engine.factory), and under embed the pooling the engine will
         use (fw.pooling: --pooling, the sentence-transformers files, the architecture's default)."""
-        from fw.engine.factory import resolve_task
-        from fw.pooling.config import resolve_pooling
-
         try:
             task = resolve_task(self.config, self.arch)
         except FwError as exc:
@@ -219,8 +220,6 @@ class Diagnosis:
                          "the encoder embeds")
 
     def _tool_parser(self) -> None:
-        from fw.server.tools import select_tool_parser, template_text
-
         registry, flag = self.plugins.registry("tool_parser"), self.config.tool_call_parser
         section = {**self.requested("tool_call_parser"), "chosen": None, "candidates": []}
         self.sections["tool_parser"] = section
@@ -280,8 +279,6 @@ class Diagnosis:
                          f"{names or '(none: is the built-in samplers plugin disabled?)'}", section)
 
     def _grammar(self) -> None:
-        from fw.grammar.constraint import CONSTRAINT_KINDS
-
         registry, name = self.plugins.registry("grammar_backend"), self.config.grammar_backend
         section = {**self.requested("grammar_backend"), "by_constraint_kind": {}}
         self.sections["grammar_backend"] = section
@@ -318,15 +315,11 @@ class Diagnosis:
             self.resolve("prefill_chunk_size", step, "fw",
                          "unset: the whole step budget (--max-batch-input-tokens)")
         if cfg.num_threads is None:
-            import torch
-
             self.resolve("num_threads", torch.get_num_threads(), "fw", "unset: torch's default thread count")
 
     # -- the report ---------------------------------------------------------------------------
 
     def config_rows(self) -> list[dict]:
-        from fw.commands.doctor.config import show
-
         rows = []
         for f in dataclasses.fields(self.config):
             src = self.sources.get(f.name, {"source": "default", "detail": ""})

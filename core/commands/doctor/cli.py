@@ -12,8 +12,11 @@ import json
 import os
 from typing import Any
 
+from fw.cli.plugins_cmd import format_table
+from fw.commands.doctor.config import config_sources
 from fw.config import add_config_arguments, resolve_config
 from fw.errors import FwError
+from fw.server.config import ServerConfig
 
 NAME = "doctor"
 HELP = "Explain the environment, the plugins, and what would be chosen for a model and flags (and why)."
@@ -42,12 +45,11 @@ def run(args: argparse.Namespace) -> int:
 
 def build_report(cli: dict[str, Any], config_file: str | None, environ) -> dict[str, Any]:
     """The whole diagnosis as JSON-ready data. A bad option value raises (a usage error)."""
+    # here: the diagnosis and the environment import torch, the plugin manager costs 20 ms: `fw --help` imports
+    # this module, so they load with the run
     from fw.commands.doctor.checks import Diagnosis
-    from fw.commands.doctor.config import config_sources
     from fw.commands.doctor.environment import environment
     from fw.plugins.manager import PluginManager, get_plugin_manager
-
-    from fw.server.config import ServerConfig
 
     # `fw serve`'s --config file may hold server keys too: accept it as it is.
     config = resolve_config(cli=cli, config_file=config_file, environ=environ, shares_file_with=(ServerConfig,))
@@ -155,8 +157,7 @@ def _config_line(row: dict) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    from fw.commands.doctor.environment import format_environment
-    from fw.cli.plugins_cmd import format_table
+    from fw.commands.doctor.environment import format_environment  # here: as in build_report (torch)
 
     lines = ["Environment", *format_environment(report["environment"]), "", "Plugins"]
     lines += ["    " + line for line in format_table(report["plugins"]).splitlines()]

@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from fw.model_loader.hardware import cpu_flags, cpu_has_native_bf16
 from fw.version import PLUGIN_API_VERSION, __version__
 
 # CPU flags worth showing: the vector ISA levels, and the bf16/int8 dot products and tiles that
@@ -34,8 +37,6 @@ def _read(path: str) -> str:
 
 def cpu_facts(cpuinfo: str | None = None, meminfo: str | None = None) -> dict[str, Any]:
     """Name, cores and ISA flags from /proc/cpuinfo (empty where the file is not readable)."""
-    from fw.model_loader.hardware import cpu_flags, cpu_has_native_bf16
-
     cpuinfo = _read("/proc/cpuinfo") if cpuinfo is None else cpuinfo
     meminfo = _read("/proc/meminfo") if meminfo is None else meminfo
     name = None
@@ -63,8 +64,6 @@ def cpu_facts(cpuinfo: str | None = None, meminfo: str | None = None) -> dict[st
 
 
 def torch_facts() -> dict[str, Any]:
-    import torch
-
     cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
     build = f"CUDA {cuda}" if cuda else f"ROCm {hip}" if hip else "CPU"
     devices = []

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from fw.config import add_config_arguments, resolve_config
+from fw.default_model import default_model
+from fw.server.config import ServerConfig
+from fw.warm.artifact import WarmContext
 
 NAME = "warm-cache"
 HELP = ("Download and verify the model and pre-build what serving it needs (C++ kernels, compiled steps, "
@@ -32,14 +35,12 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fw.default_model import default_model
-    from fw.plugins.manager import engine_plugins
-    from fw.warm.artifact import WarmContext
+    # here: `fw --help` imports this module; the artifacts (torch) and the plugin manager (20 ms) load with
+    # the run
     from fw.commands.warm_cache.collect import collect
     from fw.commands.warm_cache.runner import describe_target
     from fw.commands.warm_cache.runner import run as run_artifacts
-
-    from fw.server.config import ServerConfig
+    from fw.plugins.manager import engine_plugins
 
     # the YAML file `fw serve --config` reads may hold server keys too: warm-cache ignores them
     config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))

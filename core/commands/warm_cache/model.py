@@ -7,10 +7,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from huggingface_hub import constants
+
+from fw.commands.warm_cache.verify import Verified, verify_directory, verify_gguf
 from fw.errors import ModelLoadError
+from fw.model_loader.derived_cache import entry_dir
+from fw.model_loader.fast_tokenizer import SNAPSHOT_FILE
+from fw.model_loader.gguf_file import GGUFModel
+from fw.model_loader.hf import config_record, load_hf_config, load_tokenizer, tokenizer_record
 from fw.model_loader.source import HUB_PATTERNS, ModelSource, cached_snapshot, download_snapshot, local_source
 from fw.warm.artifact import WarmContext, WarmItem
-from fw.commands.warm_cache.verify import Verified, verify_directory, verify_gguf
+
+try:
+    from huggingface_hub._tree_cache import read_tree_cache
+    from huggingface_hub.utils import filter_repo_objects
+except ImportError:  # another huggingface_hub layout: the safetensors checks still run
+    read_tree_cache = filter_repo_objects = None
 
 
 class ModelFilesArtifact:
@@ -63,8 +75,6 @@ class GgufTokenizerArtifact:
     owner = "core"
 
     def _gguf(self, context: WarmContext):
-        from fw.model_loader.gguf_file import GGUFModel
-
         source = context.source
         if source is None or source.kind != "gguf" or context.config.tokenizer:
             return None  # a hub id or directory has its own tokenizer files
@@ -96,10 +106,6 @@ class ModelRecordsArtifact:
     owner = "core"
 
     def _records(self, context: WarmContext) -> list[tuple[str, Path | None, Callable[[], object]]]:
-        from fw.model_loader.derived_cache import entry_dir
-        from fw.model_loader.fast_tokenizer import SNAPSHOT_FILE
-        from fw.model_loader.hf import config_record, load_hf_config, load_tokenizer, tokenizer_record
-
         source, cfg = context.source, context.config
         if source is None or source.kind != "directory":
             return []
@@ -138,12 +144,7 @@ def verify_source(source: ModelSource) -> Verified:
 def hub_sizes(snapshot: Path) -> dict[str, int] | None:
     """File sizes the hub listed for a snapshot in the HF cache (huggingface_hub keeps the listing
     beside the snapshots), for the files fw downloads; None for other directories."""
-    if snapshot.parent.name != "snapshots":
-        return None
-    try:
-        from huggingface_hub._tree_cache import read_tree_cache
-        from huggingface_hub.utils import filter_repo_objects
-    except ImportError:  # another huggingface_hub layout: the safetensors checks still run
+    if snapshot.parent.name != "snapshots" or read_tree_cache is None:
         return None
     entries = read_tree_cache(str(snapshot.parent.parent), snapshot.name)
     if not entries:
@@ -157,12 +158,8 @@ def _label(model: str, revision: str | None) -> str:
 
 
 def _endpoint() -> str:
-    from huggingface_hub import constants
-
     return constants.ENDPOINT
 
 
 def _hub_cache() -> str:
-    from huggingface_hub import constants
-
     return constants.HF_HUB_CACHE

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fw.errors import ModelLoadError
+from fw.model_loader.gguf_header import GGUFHeader
 
 # Bytes per element of the safetensors dtypes; sub-byte and unknown dtypes are not size-checked.
 DTYPE_BYTES = {
@@ -60,8 +61,6 @@ def verify_directory(path: Path, expected_sizes: dict[str, int] | None = None) -
 
 def verify_gguf(path: Path) -> Verified:
     """A GGUF file whose metadata and tensor table read, with every tensor inside the file."""
-    from fw.model_loader.gguf_header import GGUFHeader
-
     try:
         reader = GGUFHeader(path)
         size = path.stat().st_size
