@@ -29,8 +29,8 @@ FRONTS = ("fw.cli",)  # the command line runs the commands: it may import them (
 # Files whose function-local imports do not all say why yet: the number of silent ones may only go down.
 # Empty an entry by giving each import its comment (start-up time) or by moving it to the module's top.
 SILENT_LOCAL_IMPORTS = {
-    "core/cli/main.py": 1, "core/cli/plugins_cmd.py": 6, "core/cli/serve.py": 18,
-    "core/commands/api_snapshot.py": 1, "core/commands/scaffold/__init__.py": 3, "core/commands/scaffold/port.py": 5,
+    "core/cli/main.py": 1, "core/cli/serve.py": 18,
+    "core/commands/api_snapshot.py": 1,
     "core/testing/architecture.py": 5, "core/testing/attention.py": 2, "core/testing/grammar.py": 4,
     "core/testing/models.py": 7, "core/testing/moe.py": 3, "core/testing/pipeline.py": 2,
     "core/testing/pytest_plugin.py": 3, "core/testing/quantization.py": 3, "core/testing/samplers.py": 7,

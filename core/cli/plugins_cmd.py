@@ -48,7 +48,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fw.plugins.manager import rows_of_kind
+    from fw.plugins.manager import rows_of_kind  # here: `fw --help` imports this module; the manager costs 20 ms
 
     if args.plugins_command == "new":
         return run_new(args)
@@ -69,6 +69,7 @@ def listed_plugins(args: argparse.Namespace) -> tuple[list[dict], dict[str, list
     """Every plugin's inventory row, and each architecture's Hugging Face class names: from the recorded
     listing while it holds (fw.plugins.listing_record), else by loading the plugins (then recorded).
     --strict-plugins or FW_STRICT_PLUGINS: a failed plugin raises PluginLoadError either way."""
+    # here: as in run (the recorded listing reads through the plugin manager too)
     from fw.plugins import listing_record
     from fw.plugins.manager import get_plugin_manager, raise_for_failures
 
@@ -106,11 +107,12 @@ def _parser_warnings(manager, build_parser: Callable[[Any], argparse.ArgumentPar
 
 
 def run_new(args: argparse.Namespace) -> int:
-    from fw.plugins.manager import get_plugin_manager
+    # here: as in run; the scaffold's templates cost 16 ms more, which `fw --help` does not pay
     from fw.commands.scaffold import KINDS as SCAFFOLDS, new_plugin
+    from fw.plugins.manager import get_plugin_manager
 
     if args.example:
-        from fw.commands.scaffold.examples import EXAMPLES, write_example
+        from fw.commands.scaffold.examples import EXAMPLES, write_example  # here: as above
 
         if args.kind or args.hf_class:
             args.new_parser.error("--example writes an existing example package; it takes no --kind or --hf-class")

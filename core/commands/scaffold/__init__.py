@@ -57,7 +57,7 @@ def _tree(files: list[str], indent: str) -> str:
 
 def port_values(port) -> dict[str, str]:
     """The architecture_port templates' placeholders: the decoder layer's body from what `port` found."""
-    import transformers
+    import transformers  # here: transformers costs 0.6 s; only an architecture's scaffold needs it
 
     norm = 'RMSNorm(cfg.hidden_size, cfg.norm_eps, ctx.dtype, rounding=ROUNDING)'
     indent = "\n" + " " * 39  # under SelfAttention's first argument
@@ -108,7 +108,7 @@ def new_plugin(kind: str, name: str, output_dir: str | Path = ".", *, taken: Ite
                               f"`fw plugins new --kind architecture --hf-class {claimed} {name}`, or choose another "
                               "NAME for an architecture of your own")
         if hf_class is not None:
-            from fw.commands.scaffold.port import inspect_hf_class
+            from fw.commands.scaffold.port import inspect_hf_class  # here: torch and transformers, --hf-class only
 
             spec, port = PORT, inspect_hf_class(hf_class)
     if name in set(taken):
@@ -142,7 +142,7 @@ def _entry_point_owner(entry_point: str) -> str | None:
 
 
 def _transformers_has(class_name: str) -> bool:
-    import transformers
+    import transformers  # here: as in port_values
 
     try:
         return getattr(transformers, class_name, None) is not None

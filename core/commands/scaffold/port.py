@@ -13,7 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import transformers
+
 from fw.errors import ConfigError
+from fw.layers.blocks import ACTIVATIONS
+from fw.layers.norm import ROUNDINGS, RMSNorm
 
 PRE_NORM = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
 POST_NORM = frozenset({"self_attn", "post_attention_layernorm", "mlp", "post_feedforward_layernorm"})
@@ -50,9 +55,6 @@ class Port:
 
 def inspect_hf_class(hf_class: str) -> Port:
     """The Port for transformers' `hf_class`, or ConfigError saying what fw's blocks do not cover."""
-    import torch
-    import transformers
-
     cls = getattr(transformers, hf_class, None)
     if cls is None or not hf_class.endswith("ForCausalLM"):
         raise ConfigError(f"--hf-class {hf_class!r}: not a causal-LM class of transformers "
@@ -117,8 +119,6 @@ def _children(module: Any) -> frozenset[str]:
 
 
 def _activations() -> tuple[str, ...]:
-    from fw.layers.blocks import ACTIVATIONS
-
     return tuple(ACTIVATIONS)
 
 
@@ -133,10 +133,6 @@ def _bias(config: Any, linear: Any, field: str = "attention_bias") -> str:
 def _rounding(norm: Any, refuse) -> str:
     """Which fw RMSNorm rounding reproduces transformers' `norm` in bf16: the two orders differ in a
     large share of outputs, fw's normalisation from HF's five-op form in a few last places."""
-    import torch
-
-    from fw.layers.norm import ROUNDINGS, RMSNorm
-
     if getattr(norm, "weight", None) is None:
         raise refuse(f"its {type(norm).__name__} has no weight (fw's norm is RMSNorm)")
     width = norm.weight.numel()
