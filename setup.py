@@ -2,7 +2,7 @@
 
 Each library is compiled once, at install, for the machine it is installed on (-march=native, as the
 run-time build), with torch's BuildExtension, and lands beside its source as lib<name>.so with a record
-of what it was built from (lib<name>.so.json); `fw.cpp_ops` loads it at run time and compiles nothing.
+of what it was built from (lib<name>.so.json); `fw.kernels.loader` loads it at run time and compiles nothing.
 The run-time build stays as the fallback when a library is missing or stale.
 
 torch must be importable when this runs, so install with `--no-build-isolation` after torch
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _load_cpp_build():
-    """fw.cpp_build by path: fw is not importable while it is being built."""
-    spec = importlib.util.spec_from_file_location("_fw_cpp_build", ROOT / "core" / "cpp_build.py")
+    """fw.kernels.build_record by path: fw is not importable while it is being built."""
+    spec = importlib.util.spec_from_file_location("_fw_cpp_build", ROOT / "core" / "kernels" / "build_record.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -38,13 +38,13 @@ _FP_CONTRACT_OFF = (*cpp_build.DEFAULT_CFLAGS, "-ffp-contract=off")
 
 # (package, library, source, compiler flags): the flags each module loads its library with (a mismatch
 # shows as a stale build; tests/test_cpp_install.py checks them). The cpu_paged attention plugin's kernel
-# is listed here like the core's: this file builds the distribution, as pyproject.toml's entry points do.
+# lives with the core's (fw.kernels): this file builds the distribution, as pyproject.toml's entry points do.
 LIBRARIES = [
-    ("fw.layers", "cpu_ops", "core/layers/cpu_ops.cpp", _FP_CONTRACT_OFF),
-    ("fw.layers", "dense_bf16", "core/layers/dense_bf16.cpp", _FP_CONTRACT_OFF),
-    ("fw.layers", "packed_int", "core/layers/packed_int.cpp", cpp_build.DEFAULT_CFLAGS),
-    ("fw.compile", "fw_packed", "core/compile/packed_linear.cpp", cpp_build.DEFAULT_CFLAGS),
-    ("fw.backends.attention", "cpu_paged", "backends/attention/cpu_paged.cpp", cpp_build.DEFAULT_CFLAGS),
+    ("fw.kernels", "cpu_ops", "core/kernels/cpu_ops.cpp", _FP_CONTRACT_OFF),
+    ("fw.kernels", "dense_bf16", "core/kernels/dense_bf16.cpp", _FP_CONTRACT_OFF),
+    ("fw.kernels", "packed_int", "core/kernels/packed_int.cpp", cpp_build.DEFAULT_CFLAGS),
+    ("fw.kernels", "fw_packed", "core/kernels/packed_linear.cpp", cpp_build.DEFAULT_CFLAGS),
+    ("fw.kernels", "cpu_paged", "core/kernels/cpu_paged.cpp", cpp_build.DEFAULT_CFLAGS),
 ]
 
 

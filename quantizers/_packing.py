@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from fw.errors import ConfigError, ModelLoadError
-from fw.layers import FUSED_PROJECTIONS, packed_int
+from fw.layers import FUSED_PROJECTIONS
+from fw.kernels import packed_int
 
 # AWQ's GEMM kernels pack output columns c*8 + [0, 2, 4, 6, 1, 3, 5, 7] into nibbles 0..7 of
 # int32 column c; nibble AWQ_REVERSE_ORDER[j] therefore holds column c*8 + j.

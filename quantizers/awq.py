@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from fw.errors import ConfigError
-from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod, packed_int
+from fw.layers import Linear, LinearMethod, UnquantizedLinearMethod
+from fw.kernels import packed_int
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers._packing import (AWQ_REVERSE_ORDER, GROUPED_MAX_ROWS, check_bits, column_blocks, copy_checked,
                                     grouped_matmul, left_unquantized, pack_int32, repack_for_kernels,

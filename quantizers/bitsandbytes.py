@@ -34,7 +34,8 @@ from torch import nn
 
 from fw import env
 from fw.errors import ModelLoadError, UnsupportedConfigurationError
-from fw.layers import Linear, packed_int
+from fw.layers import Linear
+from fw.kernels import packed_int
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers import bnb_cpu_kernel

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.errors import UnsupportedConfigurationError
-from fw.layers import Linear, packed_int
+from fw.layers import Linear
+from fw.kernels import packed_int
 from fw.layers.linear import LinearMethod, UnquantizedLinearMethod
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 from fw.quantizers._packing import is_lm_head, skipped_in_checkpoint

@@ -1,7 +1,7 @@
 """The `gguf` quantization method: linear weights stay quantized in memory.
 
 On CPUs with AVX512-VNNI, Q4_0, Q4_1, Q8_0 and Q4_K layers are repacked at load
-into fw's packed-int kernels' layout (fw.layers.packed_int: the codes and fp16
+into fw's packed-int kernels' layout (fw.kernels.packed_int: the codes and fp16
 scales, activations quantized to int8 per block of 32 as llama.cpp does, in two
 terms for 4-bit weights), and Q5_K and Q6_K layers are requantized onto its
 8-bit grid (`requantized_int8`: a finer step than theirs; 9 bits a weight
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.errors import ModelLoadError
-from fw.layers import (GGUFWeight, Linear, LinearMethod, dense_linear, dense_logits, pack_dense_weight, packed_int,
-                       packed_record)
+from fw.layers import GGUFWeight, Linear, LinearMethod, dense_linear, dense_logits, pack_dense_weight
+from fw.kernels import packed_int, packed_record
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.8"  # fw.layers.GGUFWeight, dense_logits
@@ -323,7 +323,7 @@ class GGUFLinearMethod(LinearMethod):
             return packed_int.concat(packed)
 
         groups = repr([(int(g.kind), g.rows, g.offset, g.row_bytes) for g in layer.gguf_groups])
-        # the same blocks repack the same way: a warm load reads the record (fw.layers.packed_record)
+        # the same blocks repack the same way: a warm load reads the record (fw.kernels.packed_record)
         flat, packed = packed_record.load_or_pack(layer.weight.data, groups, repack, code=(__file__,))
         layer.weight = nn.Parameter(flat, requires_grad=False)  # the groups' weights are views of it
         return packed

@@ -62,7 +62,7 @@ say "warming fw's cache for the bundled model (fw warm-cache)"
 if ! fw warm-cache | sed 's/^/  /'; then
   say "warning: fw warm-cache failed (above); the first fw serve will do that work instead"
 fi
-# One load of it records its weights as repacked for fw's kernels (fw.layers.packed_record) as well.
+# One load of it records its weights as repacked for fw's kernels (fw.kernels.packed_record) as well.
 say "loading the bundled model once (fw generate, 1 token), which records its repacked weights"
 if ! fw generate --prompt "Hello" --max-tokens 1 >/dev/null; then
   say "warning: the model did not load (above); the first fw serve will repack its weights instead"

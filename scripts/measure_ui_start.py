@@ -72,7 +72,7 @@ def import_share() -> tuple[float, float]:
         parts = [part.strip() for part in line.removeprefix("import time:").split("|")]
         if len(parts) == 3 and parts[1].isdigit():
             cumulative[parts[2]] = int(parts[1]) / 1000
-    return cumulative["fw.server.routes_ui"], cumulative["fw.server.app"]
+    return cumulative["fw.server.routes.ui"], cumulative["fw.server.app"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from fw import SamplingParams
 from fw.compile.buckets import StepBuckets, bucket_range
 from fw.compile.cache import CacheEntry, cache_key, evict
 from fw.config import EngineConfig
-from fw.cpp_ops import missing_toolchain
+from fw.kernels.loader import missing_toolchain
 from fw.errors import ConfigError
 
 needs_compiler = pytest.mark.skipif(missing_toolchain() is not None, reason="torch.compile on CPU needs a C++ "

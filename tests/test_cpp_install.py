@@ -1,5 +1,5 @@
 """fw's C++ libraries built by `pip install` (setup.py): a start loads them and compiles nothing; a missing or
-stale one falls back to the run-time build (fw.cpp_ops) and says so in one log line."""
+stale one falls back to the run-time build (fw.kernels.loader) and says so in one log line."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fw import cpp_build, cpp_ops
+from fw.kernels import build_record, loader
 from fw.compile import ops as compile_ops
-from fw.layers import cpu_ops, dense, packed_int
+from fw.kernels import cpu_ops, dense, packed_int
 from fw.backends.attention import cpu_paged
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LOADED = {
     "cpu_ops": (cpu_ops._SOURCE, cpu_ops._CFLAGS),
     "dense_bf16": (dense.BF16_SOURCE, dense.BF16_CFLAGS),
-    "packed_int": (packed_int.SOURCE, cpp_ops.DEFAULT_CFLAGS),
-    "fw_packed": (compile_ops.PACKED_SOURCE, cpp_ops.DEFAULT_CFLAGS),
-    "cpu_paged": (cpu_paged._SOURCE, cpp_ops.DEFAULT_CFLAGS),
+    "packed_int": (packed_int.SOURCE, loader.DEFAULT_CFLAGS),
+    "fw_packed": (compile_ops.PACKED_SOURCE, loader.DEFAULT_CFLAGS),
+    "cpu_paged": (cpu_paged._SOURCE, loader.DEFAULT_CFLAGS),
 }
 
 
@@ -50,7 +50,7 @@ def test_setup_builds_each_library_as_its_module_loads_it() -> None:
 
 def installed_or_why(name: str) -> tuple[Path | None, str]:
     source, cflags = LOADED[name]
-    return cpp_ops.installed(name, source, cflags)
+    return loader.installed(name, source, cflags)
 
 
 def test_this_install_built_every_library_for_this_torch_and_cpu() -> None:
@@ -73,15 +73,15 @@ def test_a_start_loads_the_installed_libraries_and_builds_nothing(tmp_path) -> N
     script = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="LOG %(levelname)s %(name)s %(message)s")
-from fw import cpp_ops
-from fw.layers import cpu_ops, dense, packed_int
+from fw.kernels import loader
+from fw.kernels import cpu_ops, dense, packed_int
 from fw.backends.attention import cpu_paged
 from fw.compile import ops
 load = {"cpu_ops": lambda: cpu_ops.prepare("cpu"), "dense_bf16": dense.bf16_kernel_ready, "packed_int": packed_int.ready,
         "cpu_paged": cpu_paged.load_kernel, "fw_packed": ops.load_packed_linear}
 for name in sys.argv[1:]:
     load[name]()
-print(json.dumps({name: cpp_ops.origin(name) for name in sys.argv[1:]}))
+print(json.dumps({name: loader.origin(name) for name in sys.argv[1:]}))
 """
     cache = tmp_path / "fw-cache"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FW_")}
@@ -93,7 +93,7 @@ print(json.dumps({name: cpp_ops.origin(name) for name in sys.argv[1:]}))
     assert {name: origin for name, origin in origins.items() if origin is not None} == {
         name: "installed" for name in current if origins[name] is not None}, r.stderr
     assert origins["cpu_ops"] == origins["cpu_paged"] == "installed"
-    assert "LOG WARNING" not in r.stderr and "fw.cpp_ops" not in r.stderr, r.stderr
+    assert "LOG WARNING" not in r.stderr and "fw.kernels.loader" not in r.stderr, r.stderr
     assert not cache.exists(), list(cache.rglob("*"))  # no build folder: nothing compiled
 
 
@@ -102,7 +102,7 @@ def test_warm_cache_reports_an_installed_library_as_a_hit() -> None:
 
     source, cflags = LOADED["cpu_ops"]
     item, = CppOpsArtifact("cpu_ops", source, cflags).check(context=None)
-    assert item.hit and item.detail == f"{cpp_build.installed_library('cpu_ops', source)} (installed)"
+    assert item.hit and item.detail == f"{build_record.installed_library('cpu_ops', source)} (installed)"
 
 
 # -- the fallback, on a fake install in a temporary folder: nothing is compiled or loaded ---------------------
@@ -115,10 +115,10 @@ def fake(tmp_path, monkeypatch):
     source = tmp_path / "pkg" / "fake_ops.cpp"
     source.parent.mkdir()
     shutil.copy(cpu_ops._SOURCE, source)
-    library = cpp_build.installed_library("fake_ops", source)
+    library = build_record.installed_library("fake_ops", source)
     library.write_bytes(b"not a real library")
-    cflags = cpp_ops.DEFAULT_CFLAGS
-    cpp_build.write_record(library, cpp_build.record("fake_ops", source.read_text(), cflags, torch.__version__))
+    cflags = loader.DEFAULT_CFLAGS
+    build_record.write_record(library, build_record.record("fake_ops", source.read_text(), cflags, torch.__version__))
     calls = {"loaded": [], "built": []}
 
     def build(name, key, text, source_name, cflags, build_dir, target):
@@ -126,17 +126,17 @@ def fake(tmp_path, monkeypatch):
         target.write_bytes(b"a run-time build")
 
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpp_ops, "_loaded", {})
-    monkeypatch.setattr(cpp_ops, "missing_toolchain", lambda: None)
-    monkeypatch.setattr(cpp_ops, "_build_and_load", build)
+    monkeypatch.setattr(loader, "_loaded", {})
+    monkeypatch.setattr(loader, "missing_toolchain", lambda: None)
+    monkeypatch.setattr(loader, "_build_and_load", build)
     monkeypatch.setattr(torch.ops, "load_library", lambda path: calls["loaded"].append(Path(path)))
 
     def load(caplog) -> tuple[str | None, list[logging.LogRecord]]:
         caplog.clear()
-        cpp_ops._loaded.clear()  # as a new process
-        with caplog.at_level(logging.INFO, logger="fw.cpp_ops"):
-            assert cpp_ops.try_load_cpp_ops("fake_ops", source, cflags) is None
-        return cpp_ops.origin("fake_ops"), [r for r in caplog.records if r.name == "fw.cpp_ops"]
+        loader._loaded.clear()  # as a new process
+        with caplog.at_level(logging.INFO, logger="fw.kernels.loader"):
+            assert loader.try_load_cpp_ops("fake_ops", source, cflags) is None
+        return loader.origin("fake_ops"), [r for r in caplog.records if r.name == "fw.kernels.loader"]
 
     return source, library, calls, load, tmp_path / "cache"
 
@@ -150,13 +150,13 @@ def test_a_current_installed_library_is_loaded_silently(fake, caplog) -> None:
 
 STALE = {
     "source": ("its source changed since it was installed", lambda s, lib: s.write_text(s.read_text() + "\n// edit\n")),
-    "torch": ("built for torch 0.0.1", lambda s, lib: cpp_build.write_record(
-        lib, {**cpp_build.read_record(lib), "torch": "0.0.1"})),
-    "cflags": ("other compiler flags", lambda s, lib: cpp_build.write_record(
-        lib, {**cpp_build.read_record(lib), "cflags": ["-O2"]})),
-    "cpu": ("a CPU with other features", lambda s, lib: cpp_build.write_record(
-        lib, {**cpp_build.read_record(lib), "cpu_flags_sha256": "another"})),
-    "no record": ("build record is missing", lambda s, lib: cpp_build.record_path(lib).unlink()),
+    "torch": ("built for torch 0.0.1", lambda s, lib: build_record.write_record(
+        lib, {**build_record.read_record(lib), "torch": "0.0.1"})),
+    "cflags": ("other compiler flags", lambda s, lib: build_record.write_record(
+        lib, {**build_record.read_record(lib), "cflags": ["-O2"]})),
+    "cpu": ("a CPU with other features", lambda s, lib: build_record.write_record(
+        lib, {**build_record.read_record(lib), "cpu_flags_sha256": "another"})),
+    "no record": ("build record is missing", lambda s, lib: build_record.record_path(lib).unlink()),
     "missing": ("no installed build", lambda s, lib: lib.unlink()),
 }
 
@@ -187,9 +187,9 @@ def test_FW_CPP_OPS_INSTALLED_0_sets_the_installed_library_aside(fake, caplog, m
 
 def test_without_a_toolchain_an_installed_library_is_still_available(fake, monkeypatch) -> None:
     source, library, calls, load, cache = fake
-    monkeypatch.setattr(cpp_ops, "missing_toolchain", lambda: "no C++ compiler (c++/g++) on PATH")
-    assert cpp_ops.unavailable("fake_ops", source) is None
+    monkeypatch.setattr(loader, "missing_toolchain", lambda: "no C++ compiler (c++/g++) on PATH")
+    assert loader.unavailable("fake_ops", source) is None
     library.unlink()
-    assert cpp_ops.unavailable("fake_ops", source) == "no C++ compiler (c++/g++) on PATH"
-    why = cpp_ops.try_load_cpp_ops("fake_ops", source)
+    assert loader.unavailable("fake_ops", source) == "no C++ compiler (c++/g++) on PATH"
+    why = loader.try_load_cpp_ops("fake_ops", source)
     assert "no C++ compiler" in why and "no installed build" in why and calls["built"] == []

@@ -1,4 +1,4 @@
-"""The fused CPU layer ops (fw.layers.cpu_ops) against the layers' torch code: the same numbers (bit for
+"""The fused CPU layer ops (fw.kernels.cpu_ops) against the layers' torch code: the same numbers (bit for
 bit in bf16/fp16 where no fp32 sum is involved), tails of every width, strided in-place rotary that leaves
 the other columns alone, and a model that generates the same tokens with the ops on and off."""
 
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from conftest import make_llm
 from fw import SamplingParams
-from fw.cpp_ops import missing_toolchain
-from fw.layers import RMSNorm, cpu_ops
+from fw.kernels.loader import missing_toolchain
+from fw.layers import RMSNorm
+from fw.kernels import cpu_ops
 from fw.layers.rotary import _apply
 
 pytestmark = pytest.mark.skipif(missing_toolchain() is not None, reason="no C++ toolchain to build the ops")

@@ -128,8 +128,8 @@ def test_auto_picks_cpu_paged_and_falls_back_when_unbuildable(gqa_dir, monkeypat
     # no installed build, no run-time build in the cache, no compiler on PATH (the loaded copy set aside)
     monkeypatch.setenv("FW_CPP_OPS_INSTALLED", "0")
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("fw.cpp_ops._loaded", {})
-    monkeypatch.setattr("fw.cpp_ops.shutil.which", lambda name: None)
+    monkeypatch.setattr("fw.kernels.loader._loaded", {})
+    monkeypatch.setattr("fw.kernels.loader.shutil.which", lambda name: None)
     fallback = small_llm(str(gqa_dir), plugins=manager)
     assert fallback.engine.loaded.attention.chosen.name == "sdpa"
     assert "no C++ compiler" in " ".join(fallback.engine.loaded.attention.rejected["cpu_paged"])

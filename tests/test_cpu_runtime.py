@@ -135,7 +135,7 @@ def _future():
 
 
 def test_weight_arena_packs_weights_side_by_side_on_huge_pages():
-    from fw.layers import weight_arena
+    from fw.kernels import weight_arena
 
     arena = weight_arena.HugePageArena()
     a, b = arena.take(100), arena.take(3 << 20)

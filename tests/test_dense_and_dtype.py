@@ -1,4 +1,4 @@
-"""The CPU fast path's two choices: packed dense weights (fw.layers.dense: fw's blocked bf16 layout on
+"""The CPU fast path's two choices: packed dense weights (fw.kernels.dense: fw's blocked bf16 layout on
 AVX512-BF16 CPUs, oneDNN's otherwise) and `--dtype auto` (bf16 where the CPU has it natively, fp32
 otherwise)."""
 
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from fw import LLM
 from fw.layers import Linear, dense_linear, pack_dense_weight
-from fw.layers import dense
-from fw.layers.dense import cpu_packing_available
+from fw.kernels import dense
+from fw.kernels.dense import cpu_packing_available
 from fw.model_loader import hardware, loader
 from fw.model_loader.source import ModelSource
 from fw.plan import rules
@@ -92,7 +92,7 @@ def test_gate_up_packing_fuses_silu_bit_exactly(rows, inter, k):
     """A SiLU MLP's [gate; up] weight packed so each block holds matching gate and up columns (blocks of
     24 + 24, the last one ragged): the fused activation equals cpu_ops.silu_mul of the plain product to
     the bit, and the plain product through the fused layout equals the blocked one."""
-    from fw.layers import cpu_ops
+    from fw.kernels import cpu_ops
 
     assert cpu_ops.prepare("cpu") is None
     torch.manual_seed(rows)

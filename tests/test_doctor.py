@@ -122,7 +122,7 @@ def test_smollm2_json(capsys, smollm2):
     assert attention["requirements"]["head_size"] == 64 and attention["requirements"]["device"] == "cpu"
     assert sel["moe_kernel"] == {"skipped": "not a Mixture-of-Experts model: no MoE kernel is needed"}
     quant = sel["quantization_method"]
-    from fw.layers import packed_int
+    from fw.kernels import packed_int
 
     kernels = packed_int.ready()  # the CPU default: kept packed where fw's packed-int kernels run
     assert quant["gguf_weights"] == ("kept packed" if kernels else "dequantized at load")

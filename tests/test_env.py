@@ -116,7 +116,7 @@ def test_choices_names_and_text():
 
 
 def test_the_modules_read_the_switches(monkeypatch, tmp_path):
-    from fw.layers import cpu_ops, dense
+    from fw.kernels import cpu_ops, dense
     from fw.paths import cache_dir
     from fw.plugins.manager import PluginManager
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fw.layers import packed_int
+from fw.kernels import packed_int
 from test_quant_gguf import SMOLLM2, TEXT, perplexity
 
 pytestmark = [

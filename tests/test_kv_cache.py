@@ -277,11 +277,11 @@ def test_page_keys_are_chained_sha256_digests():
     from array import array
     from types import SimpleNamespace
 
-    from fw.engine.block_manager import BlockManager
+    from fw.kv_cache.pages import PageManager
 
     def keys(token_ids: list[int], salt: bytes = b"") -> list[bytes]:
         seq = SimpleNamespace(token_ids=token_ids, block_hashes=[], request=SimpleNamespace(cache_salt=salt))
-        BlockManager(8, PAGE, enable_prefix_caching=True)._hash_blocks(seq, len(token_ids))
+        PageManager(8, PAGE, enable_prefix_caching=True)._hash_blocks(seq, len(token_ids))
         return seq.block_hashes
 
     tokens = list(range(100, 111))  # two full pages of 4 and a partial one (never keyed)

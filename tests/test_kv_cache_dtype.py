@@ -87,7 +87,7 @@ def test_fp8_cache_generation_close_to_model_dtype(gqa_dir, baseline, bf16_error
 
 
 def test_kv_bytes_per_block_follow_the_cache_dtype(gqa_dir):
-    from fw.engine.model_runner import ModelRunner
+    from fw.kv_cache import allocation as kv_cache
 
     sizes = {}
     for kv_dtype in ("auto", "bfloat16", "fp8_e4m3"):
@@ -95,8 +95,7 @@ def test_kv_bytes_per_block_follow_the_cache_dtype(gqa_dir):
         loaded = llm.engine.loaded
         assert loaded.kv_cache_dtype == {"auto": torch.float32, "bfloat16": torch.bfloat16,
                                          "fp8_e4m3": torch.float8_e4m3fn}[kv_dtype]
-        sizes[kv_dtype] = ModelRunner.kv_bytes_per_block(loaded.model, loaded.attention.chosen.backend_cls, 16,
-                                                         loaded.dtype)
+        sizes[kv_dtype] = kv_cache.bytes_per_page(loaded.model, loaded.attention.chosen.backend_cls, 16, loaded.dtype)
         assert all(layer.kv_cache.dtype == loaded.kv_cache_dtype for layer in attention_layers(llm))
     assert sizes["auto"] == 2 * sizes["bfloat16"] == 4 * sizes["fp8_e4m3"]
     # the budget buys 4x the pages of an fp32 cache
@@ -112,7 +111,7 @@ def test_cpu_paged_is_rejected_with_its_reason(gqa_dir):
 
 
 def test_cache_in_the_model_dtype_needs_no_capability():
-    from fw.model_loader.kv_cache_dtype import kv_cache_requirement
+    from fw.kv_cache.dtype import kv_cache_requirement
     from fw.plugins.specs import AttentionBackendSpec, AttentionRequirements
 
     assert kv_cache_requirement("bfloat16", torch.bfloat16) == "auto"

@@ -205,7 +205,7 @@ def test_over_bf16_and_quantized_base_weights(gqa_dir, adapters, tokenizer, hf_m
     """The update runs over whatever the base layer is: bf16 (whose MLP gate/up weight is packed for a fused SiLU
     kernel that would skip it: with LoRA the layer takes the unfused path) or fp8-quantized weights. Prompt
     logprobs land near PEFT's fp32 ones and far from the base model's."""
-    from fw.layers import dense
+    from fw.kernels import dense
 
     path, peft_model = adapters["a"]
     llm = make_llm(gqa_dir, enable_lora=True, dtype=dtype, quantization=quantization)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from conftest import make_llm
 from fw import SamplingParams
-from fw.layers.dense import bf16_kernel_ready, blocked_rows, pack_dense_weight
+from fw.kernels.dense import bf16_kernel_ready, blocked_rows, pack_dense_weight
 from fw.layers.packed_embedding import BlockedRowEmbedding
 
 needs_kernel = pytest.mark.skipif(not bf16_kernel_ready(), reason="no AVX512-BF16 CPU or no C++ toolchain")

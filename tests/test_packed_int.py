@@ -1,4 +1,4 @@
-"""fw's packed CPU kernels (fw.layers.packed_int): 4-bit (w = d q + m) and 8-bit (w = d q) blocks of 32,
+"""fw's packed CPU kernels (fw.kernels.packed_int): 4-bit (w = d q + m) and 8-bit (w = d q) blocks of 32,
 activations quantized to int8 per block inside the kernel; fp8 e4m3 (w = s code) widened to bf16 in registers.
 
 Two references: `reference_linear` (the activations quantized the kernel's way, then a float64 product with
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fw.layers import packed_int
+from fw.kernels import packed_int
 
 pytestmark = pytest.mark.skipif(not packed_int.ready(), reason="no AVX512-VNNI CPU or no C++ toolchain")
 

@@ -1,4 +1,4 @@
-"""Repacked GGUF weights recorded in fw's cache (fw.layers.packed_record, issue 19's start-up): a second
+"""Repacked GGUF weights recorded in fw's cache (fw.kernels.packed_record, issue 19's start-up): a second
 load reads the record instead of repacking, and gets the same bytes, the same layer outputs and the same
 tokens; changed weights or a changed layout description make a new record."""
 
@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 import gguf_models
 from conftest import make_llm
 from fw import SamplingParams
-from fw.layers import packed_int, packed_record
+from fw.kernels import packed_int, packed_record
 from fw.layers.linear import Linear
 
 needs_kernels = pytest.mark.skipif(not packed_int.wanted() or not packed_int.ready(),

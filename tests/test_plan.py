@@ -124,7 +124,7 @@ SELECTIONS = {"select_attention_backend", "select_moe_kernel", "MoeKernelChooser
 # tool-call parser per chat template (the server's; doctor shows them with the same functions).
 ALLOWED = {
     "plan/resolver.py": SELECTIONS, "plan/rules.py": SELECTIONS, "plugins/selection.py": SELECTIONS,
-    "server/tools.py": {"detects"}, "commands/doctor/checks.py": {"detects", "rejection_reasons"},
+    "server/tools/plan.py": {"detects"}, "commands/doctor/checks.py": {"detects", "rejection_reasons"},
     "plugins/specs.py": {"rejection_reason", "rejection_reasons", "priority_on"},  # the specs' own checks
     # the conformance kit and the kernel bench judge the one spec they were asked about
     "testing/attention.py": {"rejection_reasons"}, "testing/moe.py": {"rejection_reasons"},

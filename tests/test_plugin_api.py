@@ -5,6 +5,7 @@ through pluggy's hookspec options reach plugin authors."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -351,3 +352,15 @@ def test_deprecation_markers_work_with_pluggy_directly():
     pm.add_hookspecs(Spec)
     with pytest.warns(PluginApiDeprecationWarning, match=r"x\(parser\) is deprecated since fw plugin API 1.0"):
         pm.register(Plugin())
+
+
+def test_the_moved_cpp_loader_keeps_its_old_module_with_a_warning(monkeypatch):
+    """fw.cpp_ops moved to fw.kernels.loader (plugin API 1.10): the old module re-exports it, warning, until 2.0."""
+    from fw.kernels import loader
+    from fw.plugins.deprecation import PluginApiDeprecationWarning
+
+    monkeypatch.delitem(sys.modules, "fw.cpp_ops", raising=False)
+    with pytest.warns(PluginApiDeprecationWarning, match=r"fw\.cpp_ops is deprecated since fw plugin API 1\.10 .*"
+                                                          r"use fw\.kernels\.loader instead"):
+        old = importlib.import_module("fw.cpp_ops")
+    assert old.load_cpp_ops is loader.load_cpp_ops and old.unavailable is loader.unavailable

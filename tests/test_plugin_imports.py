@@ -25,18 +25,20 @@ API_MODULES = (
     "fw.tool_parsing",  # the tool-parser contract and the helpers parsers share
     "fw.speculative.contract",  # the proposer contract
     "fw.warm.artifact", "fw.warm.resolve",  # the warm-cache contract; what the server would pick (loading.md)
-    "fw.cpp_ops",  # load_cpp_ops / unavailable: how a plugin builds and loads its C++ kernels (loading.md)
+    "fw.kernels.loader",  # load_cpp_ops / unavailable: how a plugin builds and loads its C++ kernels (loading.md)
     "fw.errors", "fw.model_config", "fw.testing",
 )
 # Reaching past the API on purpose: (the importing plugin module or package, the fw module) -> why.
 EXCEPTIONS = {
-    ("fw.quantizers", "fw.layers.packed_int"):
-        "the packed 4/8-bit CPU kernels every built-in quantization method packs its weights for "
-        "(docs/quantization.md); not stable for third parties until the kernels have their own package and one "
-        "dispatch (issue 20, item 4)",
-    ("fw.quantizers.gguf", "fw.layers.packed_record"):
+    ("fw.quantizers", "fw.kernels.packed_int"):
+        "the packed 4/8-bit CPU kernels (fw.kernels) every built-in quantization method packs its weights for "
+        "(docs/quantization.md); their layout changes with the kernels, so it is not promised to third parties",
+    ("fw.quantizers.gguf", "fw.kernels.packed_record"):
         "GGUF weights repacked for those kernels, recorded in fw's cache by the blocks' hash: the gguf method's "
-        "side of the loader's record, the same pending move",
+        "side of the loader's record, internal for the same reason",
+    ("fw.backends.attention.cpu_paged", "fw.kernels"):
+        "its C++ source lives with fw's other kernels (fw.kernels.source, built and installed with them); a "
+        "third-party backend ships its source beside its own module",
     ("fw.backends.attention.flex", "fw.compile.isolated"):
         "FlexAttention is only fast compiled; compile_isolated gives each key its own recompile budget, the "
         "helper fw.compile's step uses too (it moves with the kernels)",

@@ -375,7 +375,7 @@ def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl
     assert llm.engine.loaded.quantization == method
     layers = quantized_linears(llm.engine.loaded.model)
     assert len(layers) == 30 * 4 and all(m.weight.dtype in (torch.uint8, torch.int8) for m in layers.values())
-    from fw.layers import packed_int
+    from fw.kernels import packed_int
 
     if method == "bitsandbytes-8bit" and packed_int.ready():
         assert all(m.packed_int is not None and m.packed_int[0].bits == 8 for m in layers.values())

@@ -196,7 +196,7 @@ def test_bf16_model_runs_fp8_on_the_packed_kernel(layout, gqa_dir, tmp_path):
     """A bf16 model on a CPU with fw's f8 kernel keeps its fp8 linears in the kernel's layout (1.125 bytes a
     weight) and each one's output is x @ W_deq^T rounded once to bf16; block scales narrower than 32 inputs
     (16 x 16 here) keep the reference path."""
-    from fw.layers import packed_int
+    from fw.kernels import packed_int
 
     if not packed_int.applies("cpu", 32, fp8=True):
         pytest.skip("no AVX512-BF16/VBMI CPU or no C++ toolchain")

@@ -22,7 +22,7 @@ import gguf_models
 from conftest import make_llm
 from fw import SamplingParams
 from fw.errors import ConfigError, ModelLoadError
-from fw.layers import packed_int
+from fw.kernels import packed_int
 from fw.layers.linear import Linear
 from fw.layers.packed_embedding import PackedRowEmbedding
 

@@ -1,5 +1,5 @@
 """GPTQ and AWQ 4-bit checkpoints, and bitsandbytes 8-bit weights, on fw's packed-int CPU kernels
-(fw.layers.packed_int): the layers are repacked at load (`qweight` or `weight` holds the kernels' layout;
+(fw.kernels.packed_int): the layers are repacked at load (`qweight` or `weight` holds the kernels' layout;
 the other checkpoint tensors are dropped), each linear meets the int8-activation reference on the test's
 own dequantized weights, and the text's likelihood stays close to the plain-torch path's. Act-order GPTQ
 and groups that split a 32-input block keep the plain-torch path."""
@@ -14,7 +14,8 @@ import test_quant_awq as awq_case
 import test_quant_gptq as gptq_case
 from conftest import make_llm
 from fw import SamplingParams
-from fw.layers import Linear, packed_int
+from fw.layers import Linear
+from fw.kernels import packed_int
 
 pytestmark = pytest.mark.skipif(not packed_int.ready(), reason="no AVX512-VNNI CPU or no C++ toolchain")
 

@@ -1,4 +1,4 @@
-"""The chat page at / (fw.server.routes_ui) on the FastAPI app in process over the tiny GQA model
+"""The chat page at / (fw.server.routes.ui) on the FastAPI app in process over the tiny GQA model
 with the DRY and XTC plugins: its files with their content types and security headers, nothing
 from outside, no inline script and no HTML made from model output, open without the key while the
 API it calls is not, --no-ui, the sampler route it builds its controls from, and the request log
@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import make_llm
-from fw.server import routes_ui
+from fw.server.routes import ui as routes_ui
 from fw.server.app import build_app
 from fw.server.async_engine import AsyncEngine
 from fw.server.config import ServerConfig

@@ -2,7 +2,7 @@
 and streamed in every chunking, several calls, malformed blocks kept as content, text around
 calls), the streams that turn a choice's text into OpenAI `tool_calls` deltas (named, required's
 JSON array, auto), the `tool_parser` plugin kind (listing, a third-party parser, selection), and
-the request checks, schema and prompt building of fw.server.tools."""
+the request checks, schema and prompt building of fw.server.tools.plan."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 from fw.cli.main import main
 from fw.errors import InvalidRequestError, UnknownImplementationError
 from fw.plugins.manager import PluginManager, reset_plugin_manager
-from fw.server import tools as T
+from fw.server.tools import plan as T
 from fw.server.protocol import ChatCompletionRequest, ChatMessage
-from fw.server.routes_chat import message_dicts
-from fw.server.tool_streams import ArrayCallStream, NamedCallStream, ParserCallStream
+from fw.server.routes.chat import message_dicts
+from fw.server.tools.streams import ArrayCallStream, NamedCallStream, ParserCallStream
 from fw.tool_parsing import ToolCall, parse_tool_calls
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fw.layers import dense, packed_int
+from fw.kernels import dense, packed_int
 
 import plugin_fixtures as pf
 from hub_server import HubServer

@@ -12,7 +12,7 @@ and prefill (with or without a cached prefix) are one call per layer; the
 row's keys stay in cache across the rows of a sequence.
 
 The kernel is built by `pip install` (setup.py, -O3 -march=native, OpenMP
-through ATen's parallel_for) and loaded through fw.cpp_ops; where that build
+through ATen's parallel_for) and loaded through fw.kernels.loader; where that build
 is missing or stale, it is compiled at first use with torch's cpp_extension
 and cached under the fw cache dir, keyed by the source, the torch version and
 the CPU's flags."""
@@ -20,19 +20,19 @@ the CPU's flags."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from fw.cpp_ops import load_cpp_ops, unavailable
+from fw import kernels
 from fw.errors import FwError
+from fw.kernels.loader import load_cpp_ops, unavailable
 from fw.layers.attention import AttentionBackend, AttentionMetadata
 from fw.plugins import AttentionBackendSpec, Verified, hookimpl
 
 FW_PLUGIN_API_VERSION = "1.2"  # verified_on
 
-_SOURCE = Path(__file__).with_name("cpu_paged.cpp")  # shipped beside this module (package data)
+_SOURCE = kernels.source("cpu_paged.cpp")  # with fw's other C++ sources (fw.kernels)
 
 
 def _unavailable() -> str | None:

@@ -41,12 +41,12 @@ def build_parser(plugins=None) -> argparse.ArgumentParser:
                 commands[spec.name] = spec.run
             except Exception as exc:  # one broken plugin must not take the whole CLI down
                 commands[spec.name] = _broken_command(reg, exc)
-        for impl in plugins.pm.hook.fw_add_cli_arguments.get_hookimpls():
+        for plugin, add_arguments in plugins.hook_implementations("fw_add_cli_arguments"):
             for name, p in sub.choices.items():
                 try:
-                    impl.function(command=name, parser=p)
+                    add_arguments(command=name, parser=p)
                 except Exception as exc:
-                    print(f"fw: warning: plugin {impl.plugin_name} failed to add options to {name!r} "
+                    print(f"fw: warning: plugin {plugin} failed to add options to {name!r} "
                           f"({type(exc).__name__}: {exc}); they are missing", file=sys.stderr)
     parser.set_defaults(_commands=commands, _build_parser=build_parser)  # `fw plugins list` rebuilds it with plugins
     return parser

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from fw.server.metrics import ServerMetrics
     from fw.server.state import ServerState
     from fw.plugins.manager import get_plugin_manager
-    from fw.server.tools import check_tool_parser_flag
+    from fw.server.tools.plan import check_tool_parser_flag
 
     _configure_logging(server_config.json_logs, args.log_level)
     model_arg = engine_config.model

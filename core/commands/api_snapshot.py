@@ -106,7 +106,9 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.layers.moe.load_moe_weights", "use"),
     ("fw.layers.moe.topk_routing", "use"),
     # how a plugin builds and loads its C++ kernels (docs/plugin-authors/loading.md)
-    ("fw.cpp_ops.load_cpp_ops", "use"),
+    ("fw.kernels.loader.load_cpp_ops", "use"),
+    ("fw.kernels.loader.unavailable", "use"),
+    ("fw.cpp_ops.load_cpp_ops", "use"),  # deprecated since 1.10: a re-export of fw.kernels.loader's
     ("fw.cpp_ops.unavailable", "use"),
     # the test kit plugin authors' tests call (docs/plugin-testing.md#helpers)
     ("fw.testing.suite.conformance_suite", "use"),

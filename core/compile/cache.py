@@ -44,7 +44,7 @@ from typing import Any, Iterator
 
 import torch
 
-from fw import __version__, env
+from fw import __version__, env, kernels
 from fw.compile.graphs import GRAPHS, available, graph_name
 from fw.paths import cache_dir
 
@@ -90,10 +90,11 @@ def _device_identity(device: torch.device) -> dict[str, Any]:
 
 
 def _compile_sources_hash() -> str:
-    """fw.compile's own code decides what the graphs contain (ops, padding): a change invalidates."""
+    """fw.compile's own code decides what the graphs contain (ops, padding), with the packed linear's kernel
+    it calls (fw.kernels): a change invalidates."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for f in sorted(here.glob("*.py")) + sorted(here.glob("*.cpp")):
+    for f in sorted(here.glob("*.py")) + [kernels.source("packed_linear.cpp")]:
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -13,7 +13,7 @@
 * `fw_packed::linear(x, index, out_features)`: a dense linear on a weight
   in oneDNN's packed layout, from the running model's table of them
   (packed_linear.cpp says why).
-* fw's fused CPU ops (`fw_cpu_ops::*`, fw.layers.cpu_ops) get fake
+* fw's fused CPU ops (`fw_cpu_ops::*`, fw.kernels.cpu_ops) get fake
   implementations, so they enter the graph as opaque calls instead of
   breaking it.
 """
@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from fw.cpp_ops import load_cpp_ops
-from fw.layers import cpu_ops, dense, packed_int
+from fw import kernels
+from fw.kernels import cpu_ops, dense, packed_int
+from fw.kernels.loader import load_cpp_ops
 
-PACKED_SOURCE = Path(__file__).with_name("packed_linear.cpp")  # package data
+PACKED_SOURCE = kernels.source("packed_linear.cpp")  # package data (fw.kernels)
 _FUSED_CPU_OPS = ("rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax")
 
 
@@ -109,7 +109,7 @@ _packed_ready = False
 
 
 def register_fused_cpu_fakes() -> None:
-    """Fake (shape-only) kernels for fw.layers.cpu_ops, fw.layers.dense's bf16 matmul and fw.layers.packed_int,
+    """Fake (shape-only) kernels for fw.kernels.cpu_ops, fw.kernels.dense's bf16 matmul and fw.kernels.packed_int,
     once they are built: each cpu_ops op writes into an argument and returns nothing, so its fake does nothing."""
     global _fused_faked, _dense_faked, _packed_int_faked
     with _lock:

@@ -8,7 +8,7 @@ installed on the model instance (nothing in fw.layers changes):
   (fw.compile.ops); the real backend runs inside the op, outside the graph;
 * Mixture-of-Experts layers: their kernel plugin is wrapped the same way
   (`OpaqueMoeKernel`, the `fw_compile::moe_experts` op);
-* dense linears whose weight fw packed for oneDNN (fw.layers.dense): their
+* dense linears whose weight fw packed for oneDNN (fw.kernels.dense): their
   `method` becomes `PackedLinearMethod`, which, while traced, calls
   `fw_packed::linear` with the weight's index in the model's table (the
   opaque packed tensor cannot be traced);

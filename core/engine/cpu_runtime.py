@@ -13,7 +13,7 @@ Three effects, all measured on SmolLM2 bf16, 64 prompts (docs/performance.md):
   `release_openmp_threads` ends the main thread's team before the engine thread
   starts (docs/performance.md has the figure).
 * Weights stream from memory every step: `advise_huge_pages` asks for 2 MiB
-  pages for them (fw.layers.weight_arena; the kernel's transparent huge pages,
+  pages for them (fw.kernels.weight_arena; the kernel's transparent huge pages,
   in their "madvise" mode the default on most distributions), so the hardware
   prefetcher and the TLB do not stop every 4 KiB. The KV cache was advised too
   (its attention kernel read 4-6% faster) until it became lazily touched: there
@@ -22,7 +22,7 @@ Three effects, all measured on SmolLM2 bf16, 64 prompts (docs/performance.md):
 * Loading leaves hundreds of MB of freed temporaries in that heap:
   `release_load_memory` trims it once the engine is up.
 * The KV cache is sized for the largest batch, but pages are only written as
-  sequences use them: `zeros_touched_lazily` maps it as the kernel's zero pages,
+  sequences use them: `fw.kv_cache.allocation` maps it as the kernel's zero pages,
   so the resident set grows with the tokens held, not with `--kv-cache-memory`.
 * Torch's parallel regions wait at a barrier for every thread: with one core
   busy elsewhere, a 2-thread step waits on a descheduled thread hundreds of
@@ -40,8 +40,6 @@ import functools
 import gc
 import glob
 import logging
-import math
-import mmap
 import os
 import sys
 import threading
@@ -136,19 +134,6 @@ def release_load_memory(trim: bool = True) -> bool:
         return _libc().malloc_trim(0) == 1
     except (OSError, AttributeError):  # not glibc
         return False
-
-
-def zeros_touched_lazily(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
-    """A zero CPU tensor whose pages are only backed by memory once written: an anonymous private mapping
-    (the kernel's zero pages), asked for huge pages before any write. Why: the KV cache is sized for the
-    longest batch but a server mostly holds short ones; `torch.zeros` would make all of it resident at start
-    (1 GiB by default) and the resident set would say nothing about what the model uses."""
-    nbytes = max(1, math.prod(shape) * dtype.itemsize)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    tensor = torch.frombuffer(region, dtype=torch.uint8, count=nbytes)  # keeps `region` alive
-    if huge_pages:
-        advise_huge_pages(tensor)
-    return tensor[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def _cpu_ticks(cpus: frozenset[int]) -> tuple[int, int]:

@@ -16,7 +16,6 @@ import torch
 
 from fw.config import EngineConfig, parse_size
 from fw.distributed.cluster import Cluster
-from fw.engine.block_manager import BlockManager
 from fw.engine.cpu_runtime import loading_threads, release_load_memory, spare_old_objects, tune_malloc
 from fw.engine.detokenizer import IncrementalDetokenizer
 from fw.engine.intake import request_id_and_ids
@@ -27,6 +26,8 @@ from fw.engine.scheduler import Scheduler
 from fw.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from fw.grammar.service import GrammarService, SequenceGrammar
 from fw.grammar.tokenizer import GrammarTokenizer
+from fw.kv_cache import allocation as kv_cache
+from fw.kv_cache.pages import PageManager
 from fw.model_loader.loader import load_model
 from fw.plan.rules import resolve_device
 from fw.plugins.manager import PluginManager, engine_plugins
@@ -82,7 +83,7 @@ class LLMEngine:
         page = config.kv_cache_page_size
         with startup.phase(startup.ALLOCATE_KV_CACHE):
             num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(page)
-            self.blocks = BlockManager(num_blocks, page, caching)
+            self.blocks = PageManager(num_blocks, page, caching)
             self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, page,
                                       loaded.dtype, loaded.device)
             if self.cluster is not None:  # the workers allocate as many pages and follow every forward step
@@ -123,8 +124,7 @@ class LLMEngine:
 
     def _num_blocks_from_budget(self, page: int) -> int:
         loaded = self.loaded
-        per_block = ModelRunner.kv_bytes_per_block(loaded.model, loaded.attention.chosen.backend_cls, page,
-                                                   loaded.dtype)
+        per_page = kv_cache.bytes_per_page(loaded.model, loaded.attention.chosen.backend_cls, page, loaded.dtype)
         if loaded.device.type != "cuda":
             budget = parse_size(self.config.kv_cache_memory)
             flag = "--kv-cache-memory"
@@ -133,11 +133,7 @@ class LLMEngine:
             # What fw may use, minus what is in use (weights), minus room for one step's activations.
             budget = total * self.config.device_memory_utilization - (total - free) - self._activation_reserve()
             flag = "--device-memory-utilization"
-        if budget < per_block:
-            raise ConfigError(
-                f"no room for the KV cache: one page of {page} tokens needs {per_block} bytes but the budget is "
-                f"{max(0, int(budget))} bytes; raise {flag} or use a smaller model/dtype")
-        return int(budget // per_block)
+        return kv_cache.pages_in_budget(budget, per_page, page, flag)
 
     def _activation_reserve(self) -> int:
         """A generous bound on one step's temporaries: hidden/MLP activations and sampled logits."""

@@ -3,16 +3,16 @@ the forward pass, and returns the logits the sampler and prompt logprobs need.""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from fw.devices import guard as device_guard
-from fw.engine.cpu_runtime import ThreadGovernor, zeros_touched_lazily
+from fw.engine.cpu_runtime import ThreadGovernor
 from fw.engine.request import Sequence
-from fw.layers.attention import Attention, AttentionMetadata
+from fw.kv_cache import allocation as kv_cache
+from fw.layers.attention import AttentionMetadata
 
 
 @dataclass
@@ -49,11 +49,6 @@ def upload(parts: tuple[list[int], ...], device: torch.device) -> list[torch.Ten
     return views
 
 
-def _cache_dtype(layer: Attention, model_dtype: torch.dtype) -> torch.dtype:
-    """The layer's --kv-cache-dtype as the loader bound it; the model dtype for layers built without it."""
-    return getattr(layer, "kv_cache_dtype", None) or model_dtype
-
-
 class ModelRunner:
     def __init__(self, model: nn.Module, attention_backend: type, num_blocks: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):
@@ -64,23 +59,11 @@ class ModelRunner:
         self._logits_buf: torch.Tensor | None = None
         self.compiled = None  # a fw.compile.CompiledStep with --enable-torch-compile (set by fw.compile.attach)
         self.lora = None  # a fw.lora.LoRAManager with --enable-lora (set by the engine)
-        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.layers = kv_cache.attention_layers(model)
         # CPU: the thread count follows the cores other processes leave free (a busy neighbour otherwise
         # stalls every parallel region of the step); None elsewhere.
         self.governor = ThreadGovernor.for_this_process() if device.type == "cpu" else None
-        for layer in self.layers:
-            shape = attention_backend.kv_cache_shape(num_blocks, page_size, layer.num_kv_heads, layer.head_dim)
-            cache_dtype = _cache_dtype(layer, dtype)
-            if device.type == "cpu":  # resident as pages are written, not all at start
-                layer.kv_cache = zeros_touched_lazily(tuple(shape), cache_dtype)
-            else:
-                layer.kv_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
-
-    @staticmethod
-    def kv_bytes_per_block(model: nn.Module, backend: type, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes one page costs over all layers, in the backend's own cache layout and each layer's cache dtype."""
-        return sum(math.prod(backend.kv_cache_shape(1, page_size, m.num_kv_heads, m.head_dim))
-                   * _cache_dtype(m, dtype).itemsize for m in model.modules() if isinstance(m, Attention))
+        kv_cache.allocate(self.layers, attention_backend, num_blocks, page_size, dtype, device)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new: list[int]) -> StepLogits:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fw.engine.block_manager import BlockManager
+from fw.kv_cache.pages import PageManager
 from fw.engine.request import Sequence, SeqStatus
 
 
@@ -31,7 +31,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_batch_tokens: int, chunk_size: int):
+    def __init__(self, block_manager: PageManager, max_batch_size: int, max_batch_tokens: int, chunk_size: int):
         self.blocks = block_manager
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens

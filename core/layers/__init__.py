@@ -10,7 +10,7 @@ from fw.layers.blocks import (ACTIVATIONS, FUSED_PROJECTIONS, DecoderModel, Gate
                               PreNormDecoderLayer, SelfAttention)
 from fw.layers.causal_lm import CausalLM
 from fw.layers.context import ModelContext
-from fw.layers.dense import dense_linear, dense_logits, pack_dense_weight
+from fw.kernels.dense import dense_linear, dense_logits, pack_dense_weight
 from fw.layers.encoder import BidirectionalAttention, EncoderMetadata
 from fw.layers.gguf_weight import GGUFWeight
 from fw.layers.linear import LinearMethod, Linear, UnquantizedLinearMethod

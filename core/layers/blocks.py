@@ -29,7 +29,7 @@ from fw.layers.attention import Attention
 from fw.layers.context import ModelContext
 from fw.layers.norm import RMSNorm
 from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear, deal
-from fw.layers import cpu_ops, dense
+from fw.kernels import cpu_ops, dense
 from fw.layers.rotary import RotaryEmbedding, rotate_heads_
 from fw.model_config import as_model_config
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from fw.layers.blocks import FUSED_PROJECTIONS
 from fw.layers.context import ModelContext
-from fw.layers.dense import dense_logits, pack_dense_weight
+from fw.kernels.dense import dense_logits, pack_dense_weight
 from fw.layers.linear import Linear, UnquantizedLinearMethod
 from fw.layers.weights import load_named_weights
 from fw.model_config import ModelConfig, as_model_config

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fw.layers.dense import blocked_bf16_buffer, blocked_view, dense_linear, pack_dense_weight, pack_rows_into
+from fw.kernels.dense import blocked_bf16_buffer, blocked_view, dense_linear, pack_dense_weight, pack_rows_into
 
 
 class LinearMethod:

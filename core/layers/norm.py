@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fw.layers import cpu_ops
+from fw.kernels import cpu_ops
 
 Rounding = Literal["round_then_scale", "scale_then_round"]
 ROUNDINGS: tuple[str, ...] = ("round_then_scale", "scale_then_round")

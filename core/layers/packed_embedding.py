@@ -1,5 +1,5 @@
 """An input embedding read from the rows of its tied LM head's packed weight: an 8-bit packed weight
-(`fw.layers.packed_int`'s layout) or a bf16 weight in fw's blocked dense layout (`fw.layers.dense`).
+(`fw.kernels.packed_int`'s layout) or a bf16 weight in fw's blocked dense layout (`fw.kernels.dense`).
 
 Why: a tied head is kept in the layout its kernel reads every step (a GGUF's Q8_0 blocks; the dense
 kernel's blocks of 48 rows), while the embedding only needs the step's rows. Looking them up in the head's
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fw.layers.dense import blocked_rows, is_blocked_bf16
-from fw.layers.packed_int import BLOCK, RECORD_BYTES, TILE, PackedWeight
+from fw.kernels.dense import blocked_rows, is_blocked_bf16
+from fw.kernels.packed_int import BLOCK, RECORD_BYTES, TILE, PackedWeight
 
 _QUADS = BLOCK // 4  # an 8-bit record's codes: [quad of 4 inputs][row of the tile][4 inputs]
 

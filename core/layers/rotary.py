@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fw.errors import ModelLoadError
-from fw.layers import cpu_ops
+from fw.kernels import cpu_ops
 from fw.model_config import ModelConfig, RopeConfig, as_model_config
 
 if TYPE_CHECKING:

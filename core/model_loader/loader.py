@@ -16,14 +16,14 @@ from fw.config import EngineConfig
 from fw.distributed.checks import check_model_is_split
 from fw.distributed.group import CONTEXT_KEY as TP_CONTEXT_KEY, TensorParallel
 from fw.errors import ModelLoadError
-from fw.layers import cpu_ops, dense
+from fw.kernels import cpu_ops, dense
 from fw.layers.context import ModelContext
 from fw.layers.packed_embedding import embedding_from_head, embedding_from_tied_head
 from fw.model_config import ModelConfig, as_model_config
 from fw.model_loader.attention_needs import check_built_layers
 from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
 from fw.model_loader.hf import generation_eos_ids, iter_safetensors
-from fw.model_loader.kv_cache_dtype import KvScales, bind_kv_cache
+from fw.kv_cache.dtype import KvScales, bind_kv_cache
 from fw.model_loader.quantized_weights import check_expert_tensors, warn_dense_experts
 from fw.model_loader.source import ModelSource
 from fw.plan import EnginePlan, resolve

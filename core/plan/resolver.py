@@ -21,7 +21,7 @@ from fw.errors import ConfigError, FwError, ModelLoadError
 from fw.model_loader.gguf_file import GGUFModel
 from fw.model_loader.hardware import this_cpu_flags
 from fw.model_loader.hf import load_hf_config
-from fw.model_loader.kv_cache_dtype import resolve_kv_cache_dtype
+from fw.kv_cache.dtype import resolve_kv_cache_dtype
 from fw.model_loader.source import ModelSource, cached_snapshot, local_source, resolve_model
 from fw.plan import rules
 from fw.plan.record import SELECTIONS, Candidate, Decision, EnginePlan, Problem, Resolved

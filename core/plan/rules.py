@@ -13,14 +13,14 @@ import torch
 from fw.config import QUANTIZATION_ENCODINGS, EngineConfig
 from fw.devices import cuda_capability
 from fw.errors import ConfigError, UnsupportedArchitectureError, UnsupportedConfigurationError
-from fw.layers import packed_int
+from fw.kernels import packed_int
 from fw.layers.encoder import BidirectionalAttention
 from fw.model_config import as_model_config
 from fw.model_loader.attention_needs import logit_softcap_needed, sliding_window_needed
 from fw.model_loader.gguf_file import GGUFModel
 from fw.model_loader.hardware import cpu_has_native_bf16
 from fw.model_loader.hf import load_tokenizer
-from fw.model_loader.kv_cache_dtype import kv_cache_requirement
+from fw.kv_cache.dtype import kv_cache_requirement
 from fw.model_loader.quantized_weights import check_method_supported
 from fw.model_loader.source import ModelSource
 from fw.plugins.manager import PluginManager

@@ -19,7 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pluggy
 
@@ -277,6 +277,12 @@ class PluginManager:
 
     def inventory(self, kind: str | None = None) -> list[dict]:
         return rows_of_kind([info.to_dict() for info in self.plugins.values()], kind)
+
+    def hook_implementations(self, hook: str) -> list[tuple[str, Callable[..., object]]]:
+        """(plugin name, function) of each registered implementation of a hook the core calls one plugin at a
+        time, so that one plugin's failure is reported and the others still run (pluggy's own call would stop
+        at the first exception)."""
+        return [(self.pm.get_name(impl.plugin), impl.function) for impl in getattr(self.pm.hook, hook).get_hookimpls()]
 
 
 def rows_of_kind(rows: list[dict], kind: str | None) -> list[dict]:

@@ -7,7 +7,7 @@ from functools import cached_property
 
 import torch
 
-from fw.layers import cpu_ops
+from fw.kernels import cpu_ops
 from fw.sampling.params import SamplingParams
 
 

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fw.errors import FwError
-from fw.server import body_errors, openapi, routes_chat, routes_completions, routes_misc, routes_ui
-from fw.server import routes_embeddings, routes_lora
+from fw.server import body_errors, openapi
+from fw.server.routes import chat, completions, embeddings, lora, misc, ui
 from fw.server.logtext import quoted
 from fw.server.protocol import error_body
 from fw.server.state import ServerState
@@ -67,7 +67,7 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
     app = FastAPI(title="fw", version=__version__, lifespan=lifespan)
     app.state.fw = state
     app.add_middleware(BodyLimit, limit=state.config.payload_limit)
-    open_routes = OPEN_ROUTES | (routes_ui.PATHS if state.config.ui else frozenset())  # the page's files
+    open_routes = OPEN_ROUTES | (ui.PATHS if state.config.ui else frozenset())  # the page's files
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -110,13 +110,13 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
         logger.exception("unhandled error on %s", quoted(request.url.path))
         return _error(state, 500, "internal server error; see the server log", "internal_error")
 
-    app.include_router(routes_completions.router)
-    app.include_router(routes_chat.router)
-    app.include_router(routes_misc.router)
-    app.include_router(routes_embeddings.router)
-    app.include_router(routes_lora.router)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    app.include_router(misc.router)
+    app.include_router(embeddings.router)
+    app.include_router(lora.router)
     if state.config.ui:
-        app.include_router(routes_ui.router)
+        app.include_router(ui.router)
     _add_plugin_routes(app, state)
     openapi.install(app)
     return app
@@ -124,12 +124,11 @@ def build_app(state: ServerState, on_shutdown=None) -> FastAPI:
 
 def _add_plugin_routes(app: FastAPI, state: ServerState) -> None:
     """Routes from plugins (`fw_add_server_routes`), each plugin on its own: one that fails is skipped."""
-    hook = state.engine.engine.plugins.pm.hook.fw_add_server_routes
-    for impl in hook.get_hookimpls():
+    for plugin, add_routes in state.plugins.hook_implementations("fw_add_server_routes"):
         try:
-            impl.function(app=app, state=state)
+            add_routes(app=app, state=state)
         except Exception:
-            logger.exception("plugin %s failed to add server routes; they are missing", impl.plugin_name)
+            logger.exception("plugin %s failed to add server routes; they are missing", plugin)
 
 
 class BodyLimit:

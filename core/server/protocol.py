@@ -139,7 +139,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = _bounded(None, "max_completion_tokens", CHAT_RANGES)
     logprobs: bool = False
     top_logprobs: int | None = _bounded(None, "top_logprobs")
-    # tool calling (fw.server.tools, docs/tool-calling.md); tool_prompt is TGI's name
+    # tool calling (fw.server.tools.plan, docs/tool-calling.md); tool_prompt is TGI's name
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Iterator
 from fw.engine.outputs import RequestOutput
 from fw.errors import FwError
 from fw.lora.request import LoRARequest
+from fw.plugins.manager import PluginManager
 from fw.sampling.params import SamplingParams
 from fw.server.async_engine import AsyncEngine, RequestStream
 from fw.server.config import ServerConfig
@@ -52,6 +53,8 @@ class ServerState:
     draining: bool = False
     started: float = field(default_factory=time.time)
 
+    # The engine as routes see it: one facade, so no route reaches through the async wrapper into the engine.
+
     @property
     def tokenizer(self):
         return self.engine.engine.tokenizer
@@ -59,6 +62,39 @@ class ServerState:
     @property
     def max_length(self) -> int:
         return self.engine.engine.max_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.vocab_size
+
+    @property
+    def architecture_task(self) -> str:
+        """What the served architecture was built for: "generate", or "embed" for an encoder."""
+        return self.engine.engine.loaded.architecture.task
+
+    @property
+    def pooling(self):
+        """How the served model pools into embeddings (fw.pooling); None when it generates."""
+        return getattr(self.engine.engine, "pooling", None)
+
+    @property
+    def engine_config(self):
+        """The engine's EngineConfig (fw.config): the flags the model was served with."""
+        return self.engine.engine.config
+
+    @property
+    def lora(self):
+        """The engine's LoRA adapters (fw.lora.LoRAManager); None without --enable-lora."""
+        return getattr(self.engine.engine, "lora", None)
+
+    @property
+    def degraded(self) -> str | None:
+        """Why some data-parallel replicas are lost, while others still serve; None when all are up."""
+        return getattr(self.engine.engine, "degraded", None)
+
+    @property
+    def plugins(self) -> PluginManager:
+        return self.engine.engine.plugins
 
     @property
     def max_input_tokens(self) -> int:
@@ -77,8 +113,7 @@ class ServerState:
 
     def lora_adapters(self) -> list[str]:
         """The LoRA adapters loaded in the engine (--enable-lora; fw.lora), by name."""
-        lora = getattr(self.engine.engine, "lora", None)
-        return list(lora.registered) if lora is not None else []
+        return list(self.lora.registered) if self.lora is not None else []
 
     def lora_request(self, model: str) -> LoRARequest | None:
         """A request's adapter: its `model` when that names a LoRA adapter rather than the base model."""

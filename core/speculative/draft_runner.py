@@ -23,10 +23,11 @@ from typing import Any, Sequence as Seq
 import torch
 
 from fw.config import EngineConfig, parse_size
-from fw.engine.block_manager import BlockManager
 from fw.engine.model_runner import ModelRunner
 from fw.engine.request import Request, Sequence
 from fw.errors import ConfigError
+from fw.kv_cache import allocation as kv_cache
+from fw.kv_cache.pages import PageManager
 from fw.model_loader.loader import LoadedModel, load_model
 from fw.sampling.params import SamplingParams
 from fw.speculative.config import FLAG, SpeculativeConfig
@@ -94,7 +95,7 @@ class DraftRunner:
         self.page_size = target.kv_cache_page_size
         spec = SpeculativeConfig.parse(target.speculative_config)
         num_blocks = self._num_blocks(spec, context.num_speculative_tokens)
-        self.blocks = BlockManager(num_blocks, self.page_size, False)
+        self.blocks = PageManager(num_blocks, self.page_size, False)
         loaded = self.loaded
         self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, self.page_size,
                                   loaded.dtype, loaded.device)
@@ -113,8 +114,8 @@ class DraftRunner:
         wanted = max(1, drafting) * -(-(self.max_length + k) // self.page_size)
         if target.num_kv_blocks:
             return target.num_kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(loaded.model, loaded.attention.chosen.backend_cls,
-                                                   self.page_size, loaded.dtype)
+        per_block = kv_cache.bytes_per_page(loaded.model, loaded.attention.chosen.backend_cls, self.page_size,
+                                            loaded.dtype)
         if loaded.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(loaded.device)
             budget, flag = free // 2, "--device-memory-utilization (lower it to leave room for the draft)"

@@ -2,7 +2,7 @@
 compiled model steps, precompiled grammars), with a hit/miss report.
 
 For plugins: implement the `fw_warm_cache_artifacts(context, add)` hook and add
-`WarmArtifact`s; `CppOpsArtifact` (a fw.cpp_ops build) and `GrammarWarmArtifact`
+`WarmArtifact`s; `CppOpsArtifact` (a fw.kernels.loader build) and `GrammarWarmArtifact`
 (a grammar backend's precompiled --warm-schemas) are ready-made ones, and
 `fw.warm.resolve` tells what the server would pick for the context's flags.
 `fw.warm.startup` records the phases of an engine's start-up."""

@@ -1,11 +1,11 @@
-"""Warm-cache artifact for a C++ operator library loaded with `fw.cpp_ops`: the
+"""Warm-cache artifact for a C++ operator library loaded with `fw.kernels.loader`: the
 core's fused CPU ops, and any plugin's kernel (the cpu_paged attention
 backend adds its own through the `fw_warm_cache_artifacts` hook).
 
 A library built by `pip install` is a hit (nothing to build); otherwise the
 run-time build is made here. A build is for the machine that runs it
 (-march=native, keyed by the CPU's flags), so it is warmed only for a CPU
-target on this machine; concurrent builders are serialized by fw.cpp_ops'
+target on this machine; concurrent builders are serialized by fw.kernels.loader'
 file lock."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from fw import cpp_ops
+from fw.kernels import loader
 from fw.warm.artifact import WarmContext, WarmItem
 
 logger = logging.getLogger("fw.warm")
@@ -25,7 +25,7 @@ logger = logging.getLogger("fw.warm")
 class CppOpsArtifact:
     """`applies(context)` says whether the server with these flags would load the library."""
 
-    def __init__(self, library: str, source: Path, cflags: tuple[str, ...] = cpp_ops.DEFAULT_CFLAGS,
+    def __init__(self, library: str, source: Path, cflags: tuple[str, ...] = loader.DEFAULT_CFLAGS,
                  owner: str = "core", applies: Callable[[WarmContext], bool] | None = None):
         self.library, self.source, self.cflags = library, source, cflags
         self.name = f"C++ ops {library}"
@@ -33,27 +33,27 @@ class CppOpsArtifact:
         self._applies = applies
 
     def applies(self, context: WarmContext) -> bool:
-        why = cpp_ops.unavailable(self.library, self.source, self.cflags)
+        why = loader.unavailable(self.library, self.source, self.cflags)
         if why:
             logger.info("%s: not built (%s); the server will not use it either", self.name, why)
             return False
         return self._applies is None or self._applies(context)
 
     def _item(self, hit: bool) -> WarmItem:
-        path = cpp_ops.library_path(self.library, self.source, self.cflags)
-        installed = cpp_ops.installed(self.library, self.source, self.cflags)[0] is not None
+        path = loader.library_path(self.library, self.source, self.cflags)
+        installed = loader.installed(self.library, self.source, self.cflags)[0] is not None
         return WarmItem(self.library, hit, f"{path} (installed)" if installed else str(path))
 
     def check(self, context: WarmContext) -> list[WarmItem]:
         if not self.applies(context):
             return []
-        return [self._item(cpp_ops.is_built(self.library, self.source, self.cflags))]
+        return [self._item(loader.is_built(self.library, self.source, self.cflags))]
 
     def build(self, context: WarmContext) -> list[WarmItem]:
         if not self.applies(context):
             return []
-        hit = cpp_ops.is_built(self.library, self.source, self.cflags)
-        cpp_ops.load_cpp_ops(self.library, self.source, self.cflags)  # builds under the lock when missing
+        hit = loader.is_built(self.library, self.source, self.cflags)
+        loader.load_cpp_ops(self.library, self.source, self.cflags)  # builds under the lock when missing
         return [self._item(hit)]
 
 
@@ -65,17 +65,17 @@ def cpu_target(context: WarmContext) -> bool:
 
 
 def core_cpu_ops() -> CppOpsArtifact:
-    """The fused CPU layer ops of fw.layers.cpu_ops (RMSNorm, rotary, SiLU * up, argmax)."""
-    from fw.layers import cpu_ops
+    """The fused CPU layer ops of fw.kernels.cpu_ops (RMSNorm, rotary, SiLU * up, argmax)."""
+    from fw.kernels import cpu_ops
 
     return CppOpsArtifact("cpu_ops", cpu_ops._SOURCE, cpu_ops._CFLAGS, owner="core",
                           applies=lambda context: cpu_target(context) and cpu_ops.wanted())
 
 
 def core_dense_bf16() -> CppOpsArtifact:
-    """fw's bf16 matmul kernel (fw.layers.dense), for a bf16 model on a CPU with AVX512-BF16 (or a model
+    """fw's bf16 matmul kernel (fw.kernels.dense), for a bf16 model on a CPU with AVX512-BF16 (or a model
     whose dtype is not known yet: its files are not here)."""
-    from fw.layers import dense
+    from fw.kernels import dense
     from fw.warm import resolve
 
     def applies(context: WarmContext) -> bool:
@@ -86,8 +86,8 @@ def core_dense_bf16() -> CppOpsArtifact:
 
 
 def core_packed_int() -> CppOpsArtifact:
-    """fw's packed-int kernels (fw.layers.packed_int) for quantized weights, on a CPU with AVX512-VNNI."""
-    from fw.layers import packed_int
+    """fw's packed-int kernels (fw.kernels.packed_int) for quantized weights, on a CPU with AVX512-VNNI."""
+    from fw.kernels import packed_int
 
     return CppOpsArtifact("packed_int", packed_int.SOURCE, packed_int.DEFAULT_CFLAGS, owner="core",
                           applies=lambda context: cpu_target(context) and packed_int.wanted())

@@ -28,6 +28,8 @@ from fw.errors import ConfigError, FwError
 from fw.grammar.constraint import StructuredOutputsParams
 # the kept-grammar store moved to fw.grammar.kept (serving reads it); its names stay importable from here
 from fw.grammar.kept import GrammarStore, KeptGrammars, size_text, store_in_use, store_root  # noqa: F401
+from fw.plugins.selection import select_grammar_backend
+from fw.warm import resolve
 from fw.warm.artifact import WarmContext, WarmItem
 
 logger = logging.getLogger("fw.warm")
@@ -78,7 +80,6 @@ def warm_constraints(context: WarmContext) -> dict[str, list[Any]]:
     (ConfigError for an entry no installed backend supports)."""
     if "warm_constraints" in context.memo:
         return context.memo["warm_constraints"]
-    from fw.plugins.selection import select_grammar_backend
 
     by_backend: dict[str, list[Any]] = {}
     path = context.options.get("warm_schemas")
@@ -143,8 +144,6 @@ class GrammarWarmArtifact:
         return items
 
     def _compiler(self, context: WarmContext) -> Any:
-        from fw.warm import resolve
-
         key = f"grammar_compiler:{self.backend}"
         if key not in context.memo:
             tokenizer = resolve.grammar_tokenizer(context)

@@ -13,6 +13,10 @@ from typing import Any, Callable
 
 import torch
 
+from fw.grammar.tokenizer import GrammarTokenizer
+from fw.model_loader.loader import eos_ids
+from fw.plan import resolve
+from fw.plan.rules import open_tokenizer
 from fw.warm.artifact import WarmContext
 
 
@@ -27,8 +31,6 @@ def plan(context: WarmContext) -> Any:
     model's decisions are skipped), on `--target-device` when given (not checked against this
     machine: that is its point). Never downloads, never loads the tokenizer (see `tokenizer`)."""
     def make() -> Any:
-        from fw.plan import resolve
-
         target = context.options.get("target_device")
         return resolve(context.config, context.plugins, source=context.source, tokenizer=False,
                        device=torch.device(target) if target else None, download=False)
@@ -87,8 +89,6 @@ def tokenizer(context: WarmContext) -> Any:
         return None
 
     def make() -> Any:
-        from fw.plan.rules import open_tokenizer
-
         return open_tokenizer(context.config, context.source)
 
     return _memo(context, "tokenizer", make)
@@ -100,9 +100,6 @@ def grammar_tokenizer(context: WarmContext) -> Any:
         return None
 
     def make() -> Any:
-        from fw.grammar.tokenizer import GrammarTokenizer
-        from fw.model_loader.loader import eos_ids
-
         hf_config, tok = model_config(context), tokenizer(context)
         return GrammarTokenizer(tok, hf_config.vocab_size, eos_ids(hf_config, tok, context.source))
 

@@ -29,8 +29,7 @@ ENCODINGS = ("float", "base64")
 
 def engine_task(state: ServerState) -> str:
     """What the served engine does: "embed" (an encoder, or a decoder under --task embed) or "generate"."""
-    engine = state.engine.engine
-    return "embed" if getattr(engine, "pooling", None) is not None else "generate"
+    return "embed" if state.pooling is not None else "generate"
 
 
 def require_task(state: ServerState, task: str, route: str) -> None:
@@ -49,7 +48,7 @@ def require_task(state: ServerState, task: str, route: str) -> None:
 
 
 def _is_encoder(state: ServerState) -> bool:
-    return state.engine.engine.loaded.architecture.task == "embed"
+    return state.architecture_task == "embed"
 
 
 def _inputs(value) -> list[str | list[int]]:
@@ -81,7 +80,7 @@ async def create_embedding(req: EmbeddingRequest, request: Request):
                                   f"{req.encoding_format!r}", param="encoding_format")
     inputs = _inputs(req.input)
     params = PoolingParams(dimensions=req.dimensions)
-    state.engine.engine.pooling.check_dimensions(params.dimensions, f"the model `{model}`")
+    state.pooling.check_dimensions(params.dimensions, f"the model `{model}`")
     with state.admission() as permit:  # before tokenizing: a busy server refuses at once
         try:
             prompts = await _tokenized(state, inputs)

@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: messages through the model's chat template,
 n, logprobs + top_logprobs, streaming (role delta first, content deltas,
 finish_reason, usage chunk), and tool calling (tools + tool_choice; the logic
-is in fw.server.tools)."""
+is in fw.server.tools.plan)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from fw.server.limits import CHAT_RANGES, check_limits
 from fw.server.openapi import error_responses
 from fw.server.prompts import chat_prompt
 from fw.server.protocol import ChatCompletionRequest, ChatMessage, new_id, now
-from fw.server.routes_embeddings import require_task
+from fw.server.routes.embeddings import require_task
 from fw.server.state import ServerState
 from fw.server.streaming import merged, respond, sse
-from fw.server.tools import ToolPlan, plan_tools, render_with_tools, tool_message_fields, tool_sampling_params
+from fw.server.tools.plan import ToolPlan, plan_tools, render_with_tools, tool_message_fields, tool_sampling_params
 
 router = APIRouter()
 
@@ -57,9 +57,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request):
     model = state.model_name(req.model)
     state.note_ignored(req)
     require_task(state, "generate", "/v1/chat/completions")
-    check_limits(req, CHAT_RANGES, state.engine.engine.vocab_size)
-    engine = state.engine.engine
-    plan = plan_tools(req, engine.plugins.registry("tool_parser"), engine.config.tool_call_parser,
+    check_limits(req, CHAT_RANGES, state.vocab_size)
+    plan = plan_tools(req, state.plugins.registry("tool_parser"), state.engine_config.tool_call_parser,
                       getattr(state.tokenizer, "chat_template", None))
     messages = message_dicts(req.messages)
     top = req.top_logprobs or 0

@@ -6,7 +6,7 @@ code the result is always the same. A record is keyed by a SHA-256 of the source
 caller's description of them (the row groups and their formats), and the text of the code that
 defines the layout (packed_int.py, packed_int.cpp and the caller's module), so a change to the
 weights or to any of that code makes a new record. The bytes are read straight into the
-huge-page weight arena (fw.layers.weight_arena)."""
+huge-page weight arena (fw.kernels.weight_arena)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Callable
 
 import torch
 
-from fw.layers import weight_arena
-from fw.layers.packed_int import PackedWeight
+from fw.kernels import weight_arena
+from fw.kernels.packed_int import PackedWeight
 from fw.paths import cache_dir
 
 KIND = "packed-weights"

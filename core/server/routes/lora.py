@@ -25,11 +25,11 @@ class UnloadLoRARequest(_Request):
 
 
 def _engine(state: ServerState):
-    engine = state.engine.engine
-    if getattr(engine, "lora", None) is None:
+    """The engine whose adapters a request changes (on the engine's thread), or a 400 without --enable-lora."""
+    if state.lora is None:
         raise InvalidRequestError("this server serves no LoRA adapters; start it with --enable-lora",
                                   param="lora_name")
-    return engine
+    return state.engine.engine
 
 
 @router.post("/v1/load_lora_adapter", responses=error_responses(400, 401))

@@ -3,7 +3,7 @@
 Why: on a small model the decode step is mostly per-op overhead (~20 tiny torch
 ops per layer), and prefill spends its non-matmul time in memory passes; each
 of these ops is one C++ pass instead of 3-6 torch ops. The C++ (cpu_ops.cpp)
-is built at model load with fw.cpp_ops and rounds every intermediate that
+is built at model load with fw.kernels.loader and rounds every intermediate that
 Hugging Face's torch code rounds, so the fused and torch paths agree to the
 last bit except where fp32 sums are ordered differently.
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fw import env
-from fw.cpp_ops import DEFAULT_CFLAGS, try_load_cpp_ops
+from fw.kernels.loader import DEFAULT_CFLAGS, try_load_cpp_ops
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from fw.errors import InvalidRequestError, UnknownImplementationError
 from fw.grammar.constraint import StructuredOutputsParams
 from fw.plugins.registry import Registry
 from fw.plugins.specs import ToolParserSpec
-from fw.server.tool_schema import check_parameters_schema
-from fw.server.tool_streams import ArrayCallStream, NamedCallStream, ParserCallStream, ToolCallStream
+from fw.server.tools.schema import check_parameters_schema
+from fw.server.tools.streams import ArrayCallStream, NamedCallStream, ParserCallStream, ToolCallStream
 
 # What fw tells a model whose chat template ignores `tools` (TGI's `tool_prompt` idea); a request may
 # replace this first line with its own `tool_prompt`. The function lines and the format line follow.

@@ -1,5 +1,5 @@
 """Weights that stream from memory every step, side by side in 2 MiB-aligned chunks backed by transparent
-huge pages (fw.layers.packed_int and fw.layers.dense put their packed weights here on the CPU).
+huge pages (fw.kernels.packed_int and fw.kernels.dense put their packed weights here on the CPU).
 
 Why: a decode step reads every weight once, in pieces of 0.2-2 MB. On 4 KiB pages the hardware prefetcher
 stops at every page boundary and each page costs a TLB walk; on huge pages the packed-int products and

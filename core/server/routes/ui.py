@@ -15,7 +15,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-UI_DIR = Path(__file__).with_name("ui")
+UI_DIR = Path(__file__).parent.parent / "ui"
 FILES = {  # route -> (file under ui/, Content-Type)
     "/": ("index.html", "text/html; charset=utf-8"),
     "/ui/app.js": ("app.js", "text/javascript; charset=utf-8"),

@@ -1,11 +1,11 @@
 """What identifies a build of one of fw's C++ libraries, and the record an install-time build leaves beside it.
 
 Why a module of its own: two builders must agree on it. `pip install` builds every library once (setup.py,
-with torch's BuildExtension) and `fw.cpp_ops` loads that build at run time, or builds into the fw cache when
+with torch's BuildExtension) and `fw.kernels.loader` loads that build at run time, or builds into the fw cache when
 it is missing or stale. setup.py runs before fw is importable, so it loads this file by path: it imports
 nothing but the standard library (no torch, no fw).
 
-A build is keyed by its source, fw's shared headers (csrc/*.h), the compiler flags, the torch version and
+A build is keyed by its source, fw's shared headers (fw/kernels/*.h), the compiler flags, the torch version and
 the CPU's flags (-march=native): a build for another CPU or another torch is never loaded.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp")
 # fw's shared C++ headers (fw_simd.h), on every build's include path
-INCLUDE_DIR = Path(__file__).with_name("csrc")
+INCLUDE_DIR = Path(__file__).parent
 
 
 def cpu_flags() -> str:

@@ -17,8 +17,10 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fw.engine.request import Sequence
+if TYPE_CHECKING:  # the engine's sequences are what pages are held for; the engine imports this module
+    from fw.engine.request import Sequence
 
 
 @dataclass
@@ -31,7 +33,7 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
-class BlockManager:
+class PageManager:
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool):
         self.num_blocks = num_blocks
         self.page_size = page_size

@@ -11,7 +11,7 @@ from fw.chat import render_chat
 from fw.errors import InvalidRequestError
 from fw.server.openapi import error_responses
 from fw.server.protocol import DetokenizeRequest, TokenizeRequest, error_body
-from fw.server.routes_chat import message_dicts
+from fw.server.routes.chat import message_dicts
 from fw.server.state import ServerState
 from fw.version import PLUGIN_API_VERSION, __version__
 
@@ -28,7 +28,7 @@ async def list_models(request: Request) -> dict:
     base = state.served_names[0]
     models = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
                "root": base, "max_model_len": state.max_length} for name in state.served_names]
-    lora = getattr(state.engine.engine, "lora", None)  # loaded LoRA adapters, each under its parent (as vLLM)
+    lora = state.lora  # loaded LoRA adapters, each under its parent (as vLLM)
     for name, path in (list(lora.registered.items()) if lora is not None else ()):
         models.append({"id": name, "object": "model", "created": int(state.started), "owned_by": "fw",
                        "root": str(path), "parent": base, "max_model_len": state.max_length})
@@ -39,7 +39,7 @@ async def list_models(request: Request) -> dict:
 async def health(request: Request) -> Response:
     state = _state(request)
     if state.engine.alive and not state.draining:
-        degraded = getattr(state.engine.engine, "degraded", None)  # some data-parallel replicas are lost
+        degraded = state.degraded  # some data-parallel replicas are lost
         return JSONResponse({"status": "degraded", "detail": degraded}) if degraded else Response(status_code=200)
     why = f"the engine is dead: {state.engine.dead}" if state.engine.dead else "the engine is not serving"
     return JSONResponse(error_body(why, "service_unavailable", 503), status_code=503)
@@ -73,7 +73,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict:
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
     state = _state(request)
     state.model_name(req.model)
-    vocab = state.engine.engine.vocab_size
+    vocab = state.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
@@ -85,14 +85,14 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
 
 @router.get("/v1/fw/plugins", responses=error_responses(401))
 async def plugins(request: Request) -> dict:
-    return {"plugins": _state(request).engine.engine.plugins.inventory()}
+    return {"plugins": _state(request).plugins.inventory()}
 
 
 @router.get("/v1/fw/samplers", responses=error_responses(401))
 async def samplers(request: Request) -> dict:
     """The sampler plugins: each with its role and order, and for the per-request ones (what a request's
     `samplers` may name) the JSON schema of their parameters. The chat page builds its controls from it."""
-    registry = _state(request).engine.engine.plugins.registry("sampler")
+    registry = _state(request).plugins.registry("sampler")
     return {"object": "list", "data": [
         {"name": r.spec.name, "description": r.spec.description, "plugin": r.plugin, "distribution": r.distribution,
          "per_request": r.spec.per_request, **r.spec.summary()}

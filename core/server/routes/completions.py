@@ -11,7 +11,7 @@ from fw.server.limits import RANGES, check_limits
 from fw.server.openapi import error_responses
 from fw.server.prompts import text_prompt_ids
 from fw.server.protocol import CompletionRequest, new_id, now
-from fw.server.routes_embeddings import require_task
+from fw.server.routes.embeddings import require_task
 from fw.server.state import ServerState
 from fw.server.streaming import merged, respond, sse
 
@@ -51,7 +51,7 @@ async def create_completion(req: CompletionRequest, request: Request):
                                   "echo, or start fw with --enable-echo", param="echo")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of is not supported; use n", param="best_of")
-    check_limits(req, RANGES, state.engine.engine.vocab_size)
+    check_limits(req, RANGES, state.vocab_size)
     prompt_list = _prompt_list(req.prompt)
     prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
     params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)

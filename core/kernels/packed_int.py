@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from fw import env
-from fw.cpp_ops import DEFAULT_CFLAGS, try_load_cpp_ops
-from fw.layers import weight_arena
+from fw.kernels.loader import DEFAULT_CFLAGS, try_load_cpp_ops
+from fw.kernels import weight_arena
 
 logger = logging.getLogger(__name__)
 
