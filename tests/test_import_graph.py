@@ -30,12 +30,7 @@ FRONTS = ("fw.cli",)  # the command line runs the commands: it may import them (
 # Empty an entry by giving each import its comment (start-up time) or by moving it to the module's top.
 SILENT_LOCAL_IMPORTS = {
     "core/cli/main.py": 1, "core/cli/serve.py": 18,
-    "core/commands/api_snapshot.py": 1,
-    "core/testing/architecture.py": 5, "core/testing/attention.py": 2, "core/testing/grammar.py": 4,
-    "core/testing/models.py": 7, "core/testing/moe.py": 3, "core/testing/pipeline.py": 2,
-    "core/testing/pytest_plugin.py": 3, "core/testing/quantization.py": 3, "core/testing/samplers.py": 7,
-    "core/testing/suite.py": 6, "core/warm/__init__.py": 1, "core/warm/cpp.py": 5,
-    "core/warm/grammar.py": 2, "core/warm/resolve.py": 4,
+    "core/commands/api_snapshot.py": 1, "core/warm/__init__.py": 1, "core/warm/cpp.py": 5,
     "quantizers/gguf.py": 4,
 }
 

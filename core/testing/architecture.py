@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from fw import LLM, SamplingParams
+from fw.plugins.manager import PluginManager
+from fw.testing import models
 from fw.testing.suite import Case, SuiteTest, device_for
 
 OPTIONS = frozenset({"hf_config", "max_new_tokens"})
@@ -28,8 +31,6 @@ _checkpoints: dict[str, Path] = {}
 
 
 def tests(spec: Any, options: dict) -> list[SuiteTest]:
-    from fw.testing import models
-
     device = device_for(spec, {**options, "device": options.get("device") or "cpu"})
     hf_config = options.get("hf_config")
     cases = []
@@ -52,8 +53,6 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
 
 def checkpoint(arch: str, hf_config: Any = None) -> Path:
     """A cached tiny checkpoint per architecture (per process), or a fresh one for a given config."""
-    from fw.testing import models
-
     if hf_config is not None:
         return models.tiny_checkpoint(None, tempfile.mkdtemp(prefix="fw-testing-"), hf_config=hf_config)
     if arch not in _checkpoints:
@@ -64,8 +63,6 @@ def checkpoint(arch: str, hf_config: Any = None) -> Path:
 def plugins_with(spec: Any):
     """A private plugin manager with the installed plugins plus `spec`, registered as a custom
     architecture (tried before every other spec, overriding one of the same name)."""
-    from fw.plugins.manager import PluginManager
-
     manager = PluginManager().load()
     module_name = f"fw_testing_arch_{abs(hash(spec.name))}"
     module = types.ModuleType(module_name)
@@ -76,9 +73,6 @@ def plugins_with(spec: Any):
 
 
 def run_case(spec: Any, case: Case, device: str, steps: int) -> None:
-    from fw import LLM, SamplingParams
-    from fw.testing import models
-
     path = checkpoint(case.data["arch"], case.data["hf_config"])
     llm = LLM(str(path), plugins=plugins_with(spec), dtype="float32", device=device, num_kv_blocks=64,
               kv_cache_page_size=4, model_impl="transformers" if spec.fallback else "auto")

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from fw.devices import cuda_capability
+from fw.layers.attention import AttentionMetadata
+from fw.plugins import AttentionRequirements
 from fw.testing.suite import Case, SuiteTest, device_for, stable_seed, worst_difference
 
 OPTIONS = frozenset({"dtypes", "head_sizes", "page_sizes"})
@@ -107,8 +109,6 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
 
 
 def _case(spec: Any, c: dict, device: str) -> Case:
-    from fw.plugins import AttentionRequirements
-
     kv = c.get("kv", "auto")
     parts = [c["scenario"], c["layout"]]
     if c.get("window"):
@@ -129,8 +129,6 @@ def _case(spec: Any, c: dict, device: str) -> Case:
 
 
 def run_case(spec: Any, case: Case, device: str) -> None:
-    from fw.layers.attention import AttentionMetadata
-
     c = case.data
     p, head = c["page"], c["head"]
     num_heads, num_kv_heads = LAYOUTS[c["layout"]]

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from fw.grammar import Constraint, GrammarTokenizer, allocate_token_bitmask, bitmask_to_bool
+from fw.testing.models import tokenizer
 from fw.testing.suite import Case, SuiteTest, availability
 
 OPTIONS = frozenset({"constraint_kinds"})
@@ -46,9 +48,6 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
 
     def compiler():
         if "compiler" not in state:
-            from fw.grammar import GrammarTokenizer
-            from fw.testing.models import tokenizer
-
             tok = tokenizer()
             state["tok"] = GrammarTokenizer(tok, len(tok) + EXTRA_IDS, frozenset({tok.eos_token_id}))
             state["compiler"] = spec.factory(state["tok"])
@@ -56,8 +55,6 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
 
     def walk(case: Case):
         """(matcher at the start, the tokens of the first valid text the grammar takes, grammar tokenizer)."""
-        from fw.grammar import Constraint
-
         comp, gtok = compiler()
         kind = case.data["kind"]
         value, texts, _ = CONSTRAINTS[kind]
@@ -77,8 +74,6 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
         raise AssertionError(f"{case.id}: the grammar refuses every valid text: {'; '.join(refused)}")
 
     def allowed(matcher, gtok) -> torch.Tensor:
-        from fw.grammar import allocate_token_bitmask, bitmask_to_bool
-
         bitmask = allocate_token_bitmask(1, gtok.vocab_size)
         matcher.fill_bitmask(bitmask, 0)
         return bitmask_to_bool(bitmask, gtok.vocab_size)[0]

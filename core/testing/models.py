@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerFast
 
 VOCAB_SIZE = 512
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -79,9 +82,6 @@ _SANDWICH = ("gemma2", "gemma3", "gemma3_text")  # norms after attention and MLP
 @functools.lru_cache(maxsize=1)
 def tokenizer():
     """The offline byte-level BPE (built once per process, about 0.3 s), as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     rng = random.Random(0)
     lines = _LINES * 5 + [" ".join(rng.choices(_WORDS, k=rng.randint(4, 12))) + rng.choice(".!?,;")
                           for _ in range(400)]
@@ -109,8 +109,6 @@ def hf_architecture(name: str) -> str:
 
 def make_config(architecture: str, **overrides: Any):
     """A small transformers config of `architecture`, sized to the kit's tokenizer."""
-    import transformers
-
     architecture = hf_architecture(architecture)
     config_cls, shape = ARCHITECTURES[architecture]
     tok = tokenizer()
@@ -124,8 +122,6 @@ def make_config(architecture: str, **overrides: Any):
 
 def model_class(config):
     """The transformers class for the config's first `architectures` entry (AutoModelForCausalLM otherwise)."""
-    import transformers
-
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if names else None
     return cls if cls is not None else transformers.AutoModelForCausalLM
@@ -134,8 +130,6 @@ def model_class(config):
 def build_model(config):
     """A random-initialised transformers model for `config`: the class its first `architectures` entry
     names, else whatever AutoModelForCausalLM maps the config to (a third party's registered class)."""
-    import transformers
-
     cls = model_class(config)
     return transformers.AutoModelForCausalLM.from_config(config) if cls is transformers.AutoModelForCausalLM \
         else cls(config)
@@ -187,8 +181,6 @@ def tiny_checkpoint(architecture: str | None, path: str | Path, hf_config: Any =
 
 def load_reference(path: str | Path):
     """transformers' own model on the checkpoint: fp32, eager attention (and experts), never stopping at EOS."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(path)
     options: dict[str, Any] = dict(dtype=torch.float32, attn_implementation="eager")
     if any(k in config.to_dict() for k in ("num_experts", "num_local_experts")):
@@ -200,8 +192,6 @@ def load_reference(path: str | Path):
 
 def greedy_reference(model, ids: list[int], new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' greedy continuation of `ids` (never stopping at EOS) and each step's fp32 log-softmax."""
-    from transformers import GenerationConfig
-
     config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
                               output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():

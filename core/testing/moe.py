@@ -13,6 +13,9 @@ from typing import Any
 import torch
 
 from fw.devices import cuda_capability
+from fw.layers import FusedExperts, ModelContext
+from fw.layers.moe import topk_routing
+from fw.plugins import MoeRequirements
 from fw.testing.suite import Case, SuiteTest, device_for, stable_seed, worst_difference
 
 OPTIONS = frozenset({"dtypes"})
@@ -39,8 +42,6 @@ def reference_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 
 
 def tests(spec: Any, options: dict) -> list[SuiteTest]:
-    from fw.plugins import MoeRequirements
-
     device = device_for(spec, options)
     dtypes = [d for d in options.get("dtypes") or spec.dtypes if d in _DTYPES]
     activations = list(spec.activations) if spec.activations is not None else ["silu", "gelu_pytorch_tanh"]
@@ -63,9 +64,6 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
 
 
 def run_case(spec: Any, case: Case, device: str) -> None:
-    from fw.layers import FusedExperts, ModelContext
-    from fw.layers.moe import topk_routing
-
     c = case.data
     dtype = _DTYPES[c["dtype"]]
     dev = torch.device(device)

@@ -20,7 +20,7 @@ def fw_tiny_model(tmp_path_factory):
     made: dict[str, object] = {}
 
     def make(architecture: str | None = None, hf_config=None):
-        from fw.testing import models
+        from fw.testing import models  # here: pytest loads this plugin in every run; torch with the fixture
 
         if hf_config is not None:
             return models.tiny_checkpoint(None, tmp_path_factory.mktemp("fw_tiny_model"), hf_config=hf_config)
@@ -34,13 +34,13 @@ def fw_tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fw_reference_attention():
-    from fw.testing.attention import reference_attention
+    from fw.testing.attention import reference_attention  # here: as in fw_tiny_model
 
     return reference_attention
 
 
 @pytest.fixture(scope="session")
 def fw_reference_linear():
-    from fw.testing.quantization import reference_linear
+    from fw.testing.quantization import reference_linear  # here: as in fw_tiny_model
 
     return reference_linear

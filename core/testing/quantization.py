@@ -21,9 +21,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import gguf
 import numpy as np
 import torch
 
+from fw.layers import Linear, ModelContext
+from fw.layers.gguf_weight import GGUFWeight
 from fw.testing.suite import Case, SuiteTest, availability, device_for, stable_seed
 
 OPTIONS = frozenset({"example_weights", "quant_config", "tolerance", "dtypes"})
@@ -101,10 +104,6 @@ def awq_weights(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
 def gguf_weights(w: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
-    import gguf
-
-    from fw.layers.gguf_weight import GGUFWeight
-
     kind = gguf.GGMLQuantizationType.Q8_0
     data = gguf.quants.quantize(w.float().numpy(), kind)
     deq = torch.from_numpy(np.asarray(gguf.quants.dequantize(data, kind), dtype=np.float32)).reshape(w.shape)
@@ -147,8 +146,6 @@ def tests(spec: Any, options: dict) -> list[SuiteTest]:
              for dtype in dtypes for shape in (SHAPES if dtype == dtypes[0] else ("fused",))]
 
     def build(case: Case):
-        from fw.layers import Linear, ModelContext
-
         in_size, outs, bias = SHAPES[case.data["shape"]]
         dtype = _DTYPES[case.data["dtype"]]
         ctx = ModelContext(dtype, torch.device(device), attention_backend=None, linear_method=spec.factory(quant_config))

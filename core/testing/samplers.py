@@ -19,8 +19,11 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
 import torch
 
+from fw.sampling.batch import SamplingBatch
+from fw.sampling.params import SamplingParams
 from fw.testing.sequences import FakeSequence as Row
 from fw.testing.suite import Case, SuiteTest
 
@@ -43,8 +46,6 @@ HISTORIES = [[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [1, 3, 3, 9, 30, 2, 11], [1, 
 
 
 def _batch(rows: list[Row]):
-    from fw.sampling.batch import SamplingBatch
-
     return SamplingBatch(rows, VOCAB, torch.device("cpu"), frozenset({EOS}))
 
 
@@ -68,8 +69,6 @@ def _logits(rows: int, seed: int = 0, masked: bool = False) -> torch.Tensor:
 
 
 def _describe(params) -> str:
-    from fw.sampling.params import SamplingParams
-
     default = SamplingParams()
     fields = [f"{k}={v}" for k, v in vars(params).items()
               if k not in ("samplers", "extra_args") and v != getattr(default, k)]
@@ -106,8 +105,6 @@ def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 # always-on stages
 
 def _stage_tests(spec: Any, options: dict) -> list[SuiteTest]:
-    from fw.sampling.params import SamplingParams
-
     stage = spec.factory()
     active = options.get("active_params")
     candidates = [active] if active is not None else [SamplingParams(**kw) for kw in STANDARD_ACTIVE.values()]
@@ -181,8 +178,6 @@ def _check_masked(out: torch.Tensor, logits: torch.Tensor, case_id: str) -> None
 # per-request stages
 
 def _per_request_tests(spec: Any, options: dict) -> list[SuiteTest]:
-    from fw.sampling.params import SamplingParams
-
     raw_args = dict(options.get("args") or {})
     case = Case(f"{spec.name}-" + (",".join(f"{k}={v}" for k, v in sorted(raw_args.items())).replace(" ", "")
                                    or "defaults"), {"args": raw_args})
@@ -190,8 +185,6 @@ def _per_request_tests(spec: Any, options: dict) -> list[SuiteTest]:
     def prepared(stage) -> Any:
         args = copy.deepcopy(raw_args)
         if spec.parameters is not None:
-            import jsonschema
-
             cls = jsonschema.validators.validator_for(spec.parameters, default=jsonschema.Draft202012Validator)
             error = jsonschema.exceptions.best_match(cls(spec.parameters).iter_errors(args))
             if error is not None:
@@ -201,7 +194,7 @@ def _per_request_tests(spec: Any, options: dict) -> list[SuiteTest]:
                     args[key] = copy.deepcopy(prop["default"])
         prepare = getattr(stage, "prepare", None)
         if prepare is not None:
-            from fw.testing.models import tokenizer
+            from fw.testing.models import tokenizer  # here: transformers (1 s), only for a stage that prepares
 
             args = prepare(args, tokenizer())
         return args
@@ -242,8 +235,6 @@ def _per_request_tests(spec: Any, options: dict) -> list[SuiteTest]:
 # final-choice samplers
 
 def _choice_tests(spec: Any) -> list[SuiteTest]:
-    from fw.sampling.params import SamplingParams
-
     sampled = SamplingParams(temperature=1.0, seed=1)
     greedy = SamplingParams(temperature=0.0)
     cases = [Case(f"{spec.name}-sampled", {"params": sampled}), Case(f"{spec.name}-greedy", {"params": greedy})]

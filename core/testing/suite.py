@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -80,7 +81,7 @@ def conformance_suite(kind: str, name: Any, **options: Any) -> type:
 
 
 def _parametrised(test: SuiteTest):
-    import pytest
+    import pytest  # here: `import fw.testing` stays cheap outside pytest (the package docstring)
 
     run = test.run
 
@@ -97,7 +98,7 @@ def _parametrised(test: SuiteTest):
 
 def _installed_spec(kind: str, name: str) -> tuple[Any, str | None]:
     """(spec, None) for an installed plugin, or (None, why not: the installed names of that kind)."""
-    from fw.plugins.manager import get_plugin_manager
+    from fw.plugins.manager import get_plugin_manager  # here: as in _parametrised; the plugins load with a suite
 
     manager = get_plugin_manager()
     registry = manager.registry(kind)
@@ -114,7 +115,7 @@ def _installed_spec(kind: str, name: str) -> tuple[Any, str | None]:
 
 def _failing_class(kind: str, label: str, message: str) -> type:
     def test_plugin_is_installed(self) -> None:
-        import pytest
+        import pytest  # here: as in _parametrised
 
         pytest.fail(message, pytrace=False)
 
@@ -137,7 +138,7 @@ def worst_difference(got, want, atol: float, rtol: float):
 
 
 def torch_isfinite(x):
-    import torch
+    import torch  # here: as in _parametrised (torch costs 1 s)
 
     return torch.isfinite(x)
 
@@ -146,7 +147,7 @@ def device_for(spec: Any, options: dict) -> str:
     """The device the suite runs on: the `device` option, else cuda when available and declared, else cpu."""
     if options.get("device"):
         return str(options["device"])
-    import torch
+    import torch  # here: as in torch_isfinite
 
     devices = getattr(spec, "devices", ("cpu",))
     return "cuda" if torch.cuda.is_available() and "cuda" in devices else "cpu"
@@ -159,6 +160,4 @@ def availability(spec: Any) -> str | None:
 
 
 def stable_seed(text: str) -> int:
-    import zlib
-
     return zlib.crc32(text.encode())
