@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fw.default_model import bundled_smollm2
-from fw.model_loader.gguf_file import GGUFModel
+from fw.model.gguf_file import GGUFModel
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from fw.default_model import bundled_smollm2
-    from fw.model_loader.gguf_file import GGUFModel
+    from fw.model.gguf_file import GGUFModel
 
     gguf = bundled_smollm2()
     if gguf is None:

@@ -133,7 +133,7 @@ def test_gemma3_global_layers_use_their_own_rope(checkpoints, tokenizer):
     """Gemma 3's sliding layers rotate with the local base, its full-attention layers with the
     global base and its linear scaling (the parity test checks the result end to end)."""
     from fw.layers.rotary import rope_inv_freq
-    from fw.model_config import ModelConfig
+    from fw.model.config import ModelConfig
 
     config = ModelConfig.from_hf(dense_models.make_config("gemma3", tokenizer))
     local, _ = rope_inv_freq(config.rope_for("sliding_attention"), 16)

@@ -126,7 +126,7 @@ def test_python_bindings_route_generates_greedy_tokens_batched_as_alone():
     llama_cpp = pytest.importorskip("llama_cpp")
     from fw.commands.bench.llamacpp_python import LlamaCppPythonBaseline
     from fw.default_model import bundled_smollm2
-    from fw.model_loader.gguf_file import GGUFModel
+    from fw.model.gguf_file import GGUFModel
 
     gguf = bundled_smollm2()
     if gguf is None:

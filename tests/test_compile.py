@@ -271,7 +271,7 @@ def test_other_families_compile_token_identically(family, tokenizer, tmp_path, c
 
 def _context(gqa_dir, compile_cache, **flags):
     from fw.commands.warm_cache.compiled import CompiledStepsArtifact
-    from fw.model_loader.source import local_source
+    from fw.model.source import local_source
     from fw.plugins.manager import get_plugin_manager
     from fw.warm.artifact import WarmContext
 

@@ -12,8 +12,8 @@ from fw import LLM
 from fw.layers import Linear, dense_linear, pack_dense_weight
 from fw.kernels import dense
 from fw.kernels.dense import cpu_packing_available
-from fw.model_loader import hardware, loader
-from fw.model_loader.source import ModelSource
+from fw.model import hardware, loader
+from fw.model.source import ModelSource
 from fw.plan import rules
 
 needs_packing = pytest.mark.skipif(not cpu_packing_available(), reason="torch built without oneDNN")
@@ -165,7 +165,7 @@ def test_loaded_bf16_weights_are_the_packed_checkpoint(gqa_dir, monkeypatch):
     """A bf16 model's linear weights are written into the blocked layout as the checkpoint is read (no
     plain weight is packed afterwards): the same bytes as packing the fused plain weight."""
     from fw.layers import linear
-    from fw.model_loader.hf import iter_safetensors
+    from fw.model.hf import iter_safetensors
 
     def no_plain_weight(weight, *args, **kwargs):
         raise AssertionError("a plain weight was loaded, then packed")

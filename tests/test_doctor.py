@@ -165,8 +165,8 @@ def test_cuda_only_backend_named_is_rejected_for_its_device(capsys, root, gqa_di
 
 
 def test_tiny_llama_would_run_without_reading_weights(capsys, gqa_dir, monkeypatch):
-    import fw.model_loader.hf as hf
-    import fw.model_loader.loader as loader
+    import fw.model.hf as hf
+    import fw.model.loader as loader
 
     def no_weights(*args, **kwargs):
         raise AssertionError("fw doctor must not read weights")

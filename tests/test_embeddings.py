@@ -109,8 +109,8 @@ def test_padding_and_truncation_in_tokenizer_json_are_not_applied(tmp_path, monk
     load and on the load of its recorded snapshot (padding tokens would be pooled into the vector)."""
     from transformers import AutoTokenizer
 
-    from fw.model_loader.fast_tokenizer import FastTokenizer
-    from fw.model_loader.hf import load_tokenizer
+    from fw.model.fast_tokenizer import FastTokenizer
+    from fw.model.hf import load_tokenizer
 
     monkeypatch.setenv("FW_CACHE_DIR", str(tmp_path / "cache"))
     model = build_bert(tmp_path / "m")

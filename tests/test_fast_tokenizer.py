@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from fw.model_loader.config_snapshot import ConfigView
-from fw.model_loader.fast_tokenizer import FastTokenizer, snapshot_supported
-from fw.model_loader.hf import load_hf_config, load_tokenizer
+from fw.model.config_snapshot import ConfigView
+from fw.model.fast_tokenizer import FastTokenizer, snapshot_supported
+from fw.model.hf import load_hf_config, load_tokenizer
 
 TRICKY = [
     "", " ", "a", "Hello, world!", "Hello  world", "  leading and trailing  ", "\t\ttabs\tand\nnewlines\n\n\n",
@@ -219,7 +219,7 @@ def test_remote_code_configs_go_through_transformers(gqa_dir, tmp_path, cache):
 WARM_START = """
 import sys
 from pathlib import Path
-from fw.model_loader.hf import load_hf_config, load_tokenizer
+from fw.model.hf import load_hf_config, load_tokenizer
 tok, config = load_tokenizer(Path(sys.argv[1]), False), load_hf_config(Path(sys.argv[1]), False)
 text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
 ids = tok(text, add_special_tokens=False).input_ids
@@ -246,7 +246,7 @@ def smollm2_gguf() -> Path:
 def test_smollm2_gguf_tokenizer_and_config_equal_transformers(cache):
     from transformers import AutoConfig, AutoTokenizer
 
-    from fw.model_loader.gguf_file import GGUFModel
+    from fw.model.gguf_file import GGUFModel
 
     path = smollm2_gguf()
     GGUFModel(path).tokenizer(), GGUFModel(path).hf_config("LlamaForCausalLM")
@@ -267,7 +267,7 @@ def test_smollm2_gguf_tokenizer_and_config_equal_transformers(cache):
 def test_generation_config_stop_tokens_as_transformers_reads_them(tmp_path):
     from transformers import GenerationConfig
 
-    from fw.model_loader.hf import generation_eos_ids
+    from fw.model.hf import generation_eos_ids
 
     for value, want in ((7, [7]), ([2, 9], [2, 9]), (None, [])):
         GenerationConfig(eos_token_id=value).save_pretrained(tmp_path)

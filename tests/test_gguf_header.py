@@ -1,4 +1,4 @@
-"""fw's GGUF header reader (fw.model_loader.gguf_header) reads what gguf.GGUFReader reads: every metadata
+"""fw's GGUF header reader (fw.model.gguf_header) reads what gguf.GGUFReader reads: every metadata
 value and every tensor's type, shape and data, on a file with each kind of field and on the bundled model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fw.default_model import bundled_smollm2
-from fw.model_loader.gguf_header import GGUFFormatError, GGUFHeader
+from fw.model.gguf_header import GGUFFormatError, GGUFHeader
 
 
 def assert_same_as_gguf_reader(path) -> GGUFHeader:

@@ -96,8 +96,8 @@ def test_bf16_needs_sm80_for_the_triton_kernels_and_fp16_does_not():
 def test_a_faked_sm80_gpu_keeps_fp8_e4m3_off_triton(monkeypatch, gqa_dir):
     """What the loader reads (torch.cuda.get_device_capability) faked to an A100: auto leaves triton for a
     backend that can, and naming triton fails with the reason."""
-    from fw.model_loader.hf import load_hf_config
-    from fw.model_loader.loader import attention_requirements
+    from fw.model.hf import load_hf_config
+    from fw.model.loader import attention_requirements
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     cfg = EngineConfig(model=str(gqa_dir), kv_cache_dtype="fp8_e4m3")
@@ -411,8 +411,8 @@ def test_builtin_declarations_match_the_h200_run():
 
 
 def test_an_unverified_quantization_method_on_a_gpu_warns(monkeypatch, caplog, gqa_dir):
-    from fw.model_loader.hf import load_hf_config
-    from fw.model_loader.loader import _quantization
+    from fw.model.hf import load_hf_config
+    from fw.model.loader import _quantization
 
     manager = builtin_manager()
     arch = manager.registry("architecture").get("llama")

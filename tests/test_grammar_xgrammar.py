@@ -38,7 +38,7 @@ CLOSERS = (b'"', b"}", b"]", b".", b" ", b'"}', b'"]', b"}]", b"]}", b"}}", b"]]
 @pytest.fixture(scope="module")
 def hf_tokenizer():
     from fw.default_model import bundled_smollm2
-    from fw.model_loader.gguf_file import GGUFModel
+    from fw.model.gguf_file import GGUFModel
     return GGUFModel(bundled_smollm2()).tokenizer()
 
 

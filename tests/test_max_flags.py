@@ -15,7 +15,7 @@ from conftest import make_llm
 from fw import SamplingParams
 from fw.errors import ConfigError, InvalidRequestError
 from fw.grammar.constraint import StructuredOutputsParams
-from fw.model_loader.hf import load_tokenizer
+from fw.model.hf import load_tokenizer
 from fw.server.app import build_app
 from fw.server.async_engine import AsyncEngine
 from fw.server.config import ServerConfig

@@ -1,4 +1,4 @@
-"""fw.model_config: the Hugging Face config read once, its defaults in one place, missing fields refused;
+"""fw.model.config: the Hugging Face config read once, its defaults in one place, missing fields refused;
 and the rule that layers and architectures read nothing else."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from fw.errors import ModelLoadError
 from fw.layers.rotary import rope_inv_freq
-from fw.model_config import ModelConfig, RopeConfig, as_model_config
+from fw.model.config import ModelConfig, RopeConfig, as_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,11 +104,11 @@ def test_as_model_config_passes_a_model_config_through():
 # checkpoints (it builds HF models), the recorded copy of a transformers config (every attribute, by
 # name) and the scaffold's port of a transformers class (it inspects the class it ports).
 NOT_AN_HF_CONFIG = {"core/distributed/rendezvous.py", "core/distributed/checks.py", "core/compile/isolated.py",
-                    "core/testing/models.py", "core/model_loader/config_snapshot.py", "core/commands/scaffold/port.py"}
+                    "core/testing/models.py", "core/model/config_snapshot.py", "core/commands/scaffold/port.py"}
 
 
 def test_no_layer_or_architecture_reads_the_raw_hf_config():
-    """The issue's grep: `getattr(cfg` / `getattr(config` on an HF config only inside fw.model_config; and
+    """The issue's grep: `getattr(cfg` / `getattr(config` on an HF config only inside fw.model.config; and
     the native architectures and shared layers hold no `getattr` on any config name at all."""
     pattern = re.compile(r"getattr\((cfg|config)\b")
     strict = re.compile(r"getattr\((cfg|config|hf_config|hf)\b")
@@ -119,8 +119,8 @@ def test_no_layer_or_architecture_reads_the_raw_hf_config():
             layer_or_arch = rel.startswith(("core/layers/", "architectures/")) and not rel.endswith(
                 "transformers_fallback.py")  # the fallback runs transformers' own classes on the HF config
             rule = strict if layer_or_arch else pattern
-            if rel == "core/model_config.py" or (rel in NOT_AN_HF_CONFIG and not layer_or_arch):
+            if rel == "core/model/config.py" or (rel in NOT_AN_HF_CONFIG and not layer_or_arch):
                 continue
             offenders += [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
                           if rule.search(line)]
-    assert not offenders, "read the model's config through fw.model_config.ModelConfig:\n" + "\n".join(offenders)
+    assert not offenders, "read the model's config through fw.model.config.ModelConfig:\n" + "\n".join(offenders)

@@ -28,7 +28,7 @@ def doctor_report(capsys, *args: str) -> tuple[int, dict]:
 
 def warm_cache_choice(model: Path) -> str:
     """The attention backend `fw warm-cache` would warm for `model` (fw.warm.resolve, as its artifacts ask)."""
-    from fw.model_loader.source import local_source
+    from fw.model.source import local_source
     from fw.plugins.manager import engine_plugins
     from fw.warm import resolve
     from fw.warm.artifact import WarmContext

@@ -354,13 +354,17 @@ def test_deprecation_markers_work_with_pluggy_directly():
         pm.register(Plugin())
 
 
-def test_the_moved_cpp_loader_keeps_its_old_module_with_a_warning(monkeypatch):
-    """fw.cpp_ops moved to fw.kernels.loader (plugin API 1.10): the old module re-exports it, warning, until 2.0."""
-    from fw.kernels import loader
+@pytest.mark.parametrize("old, new, names", [
+    ("fw.cpp_ops", "fw.kernels.loader", ("load_cpp_ops", "unavailable")),
+    ("fw.model_config", "fw.model.config", ("ModelConfig", "RopeConfig", "MoeConfig")),
+])
+def test_a_moved_module_keeps_its_old_name_with_a_warning(monkeypatch, old, new, names):
+    """Modules of the plugin API moved in 1.10 (issue 20's folders): the old module re-exports the new one's
+    names, warning, until 2.0."""
     from fw.plugins.deprecation import PluginApiDeprecationWarning
 
-    monkeypatch.delitem(sys.modules, "fw.cpp_ops", raising=False)
-    with pytest.warns(PluginApiDeprecationWarning, match=r"fw\.cpp_ops is deprecated since fw plugin API 1\.10 .*"
-                                                          r"use fw\.kernels\.loader instead"):
-        old = importlib.import_module("fw.cpp_ops")
-    assert old.load_cpp_ops is loader.load_cpp_ops and old.unavailable is loader.unavailable
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(PluginApiDeprecationWarning, match=rf"{old} is deprecated since fw plugin API 1\.10 .*"
+                                                          rf"use {new} instead"):
+        module = importlib.import_module(old)
+    assert all(getattr(module, name) is getattr(importlib.import_module(new), name) for name in names)

@@ -26,7 +26,7 @@ API_MODULES = (
     "fw.speculative.contract",  # the proposer contract
     "fw.warm.artifact", "fw.warm.resolve",  # the warm-cache contract; what the server would pick (loading.md)
     "fw.kernels.loader",  # load_cpp_ops / unavailable: how a plugin builds and loads its C++ kernels (loading.md)
-    "fw.errors", "fw.model_config", "fw.testing",
+    "fw.errors", "fw.model.config", "fw.testing",
 )
 # Reaching past the API on purpose: (the importing plugin module or package, the fw module) -> why.
 EXCEPTIONS = {

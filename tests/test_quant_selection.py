@@ -17,8 +17,8 @@ import tiny_moe
 from conftest import make_llm
 from fw.config import EngineConfig
 from fw.errors import UnsupportedConfigurationError
-from fw.model_loader.loader import _quantization
-from fw.model_loader.quantized_weights import check_method_supported
+from fw.model.loader import _quantization
+from fw.model.quantized_weights import check_method_supported
 from fw.plugins import ArchitectureSpec, QuantizationMethodSpec
 from fw.plugins.registry import Registry
 

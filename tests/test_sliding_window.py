@@ -13,7 +13,7 @@ from fw.backends.attention.sdpa import SdpaBackend
 from fw.errors import UnsupportedConfigurationError
 from fw.layers import ModelContext
 from fw.layers.attention import Attention, AttentionMetadata
-from fw.model_loader.attention_needs import check_built_layers, logit_softcap_needed, sliding_window_needed
+from fw.model.attention_needs import check_built_layers, logit_softcap_needed, sliding_window_needed
 from fw.plugins import AttentionBackendSpec
 
 PAGE = 4

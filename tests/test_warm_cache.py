@@ -180,7 +180,7 @@ def test_serve_starts_offline_from_the_warmed_cache(warmed, hub, caches, tmp_pat
 
 def test_a_damaged_weights_file_in_the_hf_cache_fails_naming_the_file(warmed, caches, tmp_path) -> None:
     from fw.errors import ModelLoadError
-    from fw.model_loader.source import ModelSource
+    from fw.model.source import ModelSource
     from fw.commands.warm_cache.model import hub_sizes, verify_source
 
     copy = tmp_path / "hub"
@@ -409,7 +409,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"ty
 @pytest.fixture
 def grammar_context(model_copy, tmp_path, monkeypatch, isolated_plugins):
     from fw.config import EngineConfig
-    from fw.model_loader.source import local_source
+    from fw.model.source import local_source
     from fw.plugins.manager import get_plugin_manager
     from fw.warm import WarmContext
 

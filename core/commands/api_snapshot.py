@@ -68,7 +68,10 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.warm.artifact.WarmArtifact", "impl"),
     ("fw.speculative.contract.Proposer", "impl"),
     # what the core hands to plugins
-    ("fw.model_config.ModelConfig", "use"),
+    ("fw.model.config.ModelConfig", "use"),
+    ("fw.model.config.RopeConfig", "use"),
+    ("fw.model.config.MoeConfig", "use"),
+    ("fw.model_config.ModelConfig", "use"),  # deprecated since 1.10: a re-export of fw.model.config's
     ("fw.model_config.RopeConfig", "use"),
     ("fw.model_config.MoeConfig", "use"),
     ("fw.layers.attention.AttentionMetadata", "use"),

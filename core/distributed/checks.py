@@ -12,7 +12,7 @@ from torch import nn
 from fw.config import EngineConfig
 from fw.errors import ConfigError, UnsupportedConfigurationError
 from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear
-from fw.model_config import ModelConfig
+from fw.model.config import ModelConfig
 
 
 def _refuse(tp: int, why: str) -> UnsupportedConfigurationError:

@@ -20,7 +20,7 @@ from fw.distributed.group import TensorParallel
 from fw.distributed.threads import bind_rank
 from fw.engine.model_runner import ModelRunner
 from fw.errors import DistributedError, FwError
-from fw.model_loader.loader import load_model
+from fw.model.loader import load_model
 from fw.plan.rules import resolve_device
 from fw.plugins.manager import engine_plugins
 

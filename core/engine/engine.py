@@ -28,7 +28,7 @@ from fw.grammar.service import GrammarService, SequenceGrammar
 from fw.grammar.tokenizer import GrammarTokenizer
 from fw.kv_cache import allocation as kv_cache
 from fw.kv_cache.pages import PageManager
-from fw.model_loader.loader import load_model
+from fw.model.loader import load_model
 from fw.plan.rules import resolve_device
 from fw.plugins.manager import PluginManager, engine_plugins
 from fw.lora.request import LoRARequest

@@ -59,7 +59,7 @@ def cpu_packing_available() -> bool:
 
 def bf16_kernel_wanted() -> bool:
     """This CPU has AVX512-BF16 and packing is not turned off or pinned to oneDNN."""
-    from fw.model_loader.hardware import this_cpu_flags  # lazy: the loader imports fw.layers
+    from fw.model.hardware import this_cpu_flags  # lazy: the loader imports fw.layers
 
     return _packing_mode() == "auto" and "avx512_bf16" in this_cpu_flags()
 

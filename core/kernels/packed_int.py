@@ -92,7 +92,7 @@ def cpu_kernels_enabled() -> bool:
 
 def wanted() -> bool:
     """This CPU has AVX512-VNNI and the kernels are not turned off."""
-    from fw.model_loader.hardware import this_cpu_flags  # lazy: the loader imports fw.layers
+    from fw.model.hardware import this_cpu_flags  # lazy: the loader imports fw.layers
 
     if not cpu_kernels_enabled():
         return False

@@ -31,7 +31,7 @@ from fw.layers.norm import RMSNorm
 from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear, deal
 from fw.kernels import cpu_ops, dense
 from fw.layers.rotary import RotaryEmbedding, rotate_heads_
-from fw.model_config import as_model_config
+from fw.model.config import as_model_config
 
 # checkpoint sub-name -> (fused sub-name, shard index)
 FUSED_PROJECTIONS = {

@@ -18,7 +18,7 @@ from fw.layers.context import ModelContext
 from fw.kernels.dense import dense_logits, pack_dense_weight
 from fw.layers.linear import Linear, UnquantizedLinearMethod
 from fw.layers.weights import load_named_weights
-from fw.model_config import ModelConfig, as_model_config
+from fw.model.config import ModelConfig, as_model_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -13,7 +13,7 @@ from torch import nn
 
 from fw.errors import ModelLoadError
 from fw.kernels import cpu_ops
-from fw.model_config import ModelConfig, RopeConfig, as_model_config
+from fw.model.config import ModelConfig, RopeConfig, as_model_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

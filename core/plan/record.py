@@ -87,7 +87,7 @@ class EnginePlan:
     """Every decision the engine makes before reading a weight. Built by `fw.plan.resolve`; the loader,
     `fw doctor`, `fw warm-cache` and the compile-cache key read it instead of deciding again."""
 
-    source: Any = None  # fw.model_loader.source.ModelSource
+    source: Any = None  # fw.model.source.ModelSource
     device: torch.device | None = None
     architecture: Any = None  # ArchitectureSpec
     dtype: torch.dtype | None = None
@@ -102,7 +102,7 @@ class EnginePlan:
     resolved: tuple[Resolved, ...] = ()
     problems: tuple[Problem, ...] = ()
     hf_config: Any = field(default=None, repr=False, compare=False)
-    gguf: Any = field(default=None, repr=False, compare=False)  # fw.model_loader.gguf_file.GGUFModel
+    gguf: Any = field(default=None, repr=False, compare=False)  # fw.model.gguf_file.GGUFModel
     tokenizer: Any = field(default=None, repr=False, compare=False)  # None unless resolved with tokenizer=True
 
     def decision(self, name: str) -> Decision | None:

@@ -18,11 +18,11 @@ import torch
 from fw.config import EngineConfig, flag_name
 from fw.devices import cuda_capability, describe
 from fw.errors import ConfigError, FwError, ModelLoadError
-from fw.model_loader.gguf_file import GGUFModel
-from fw.model_loader.hardware import this_cpu_flags
-from fw.model_loader.hf import load_hf_config
+from fw.model.gguf_file import GGUFModel
+from fw.model.hardware import this_cpu_flags
+from fw.model.hf import load_hf_config
 from fw.kv_cache.dtype import resolve_kv_cache_dtype
-from fw.model_loader.source import ModelSource, cached_snapshot, local_source, resolve_model
+from fw.model.source import ModelSource, cached_snapshot, local_source, resolve_model
 from fw.plan import rules
 from fw.plan.record import SELECTIONS, Candidate, Decision, EnginePlan, Problem, Resolved
 from fw.plugins.manager import PluginManager

@@ -15,14 +15,14 @@ from fw.devices import cuda_capability
 from fw.errors import ConfigError, UnsupportedArchitectureError, UnsupportedConfigurationError
 from fw.kernels import packed_int
 from fw.layers.encoder import BidirectionalAttention
-from fw.model_config import as_model_config
-from fw.model_loader.attention_needs import logit_softcap_needed, sliding_window_needed
-from fw.model_loader.gguf_file import GGUFModel
-from fw.model_loader.hardware import cpu_has_native_bf16
-from fw.model_loader.hf import load_tokenizer
+from fw.model.config import as_model_config
+from fw.model.attention_needs import logit_softcap_needed, sliding_window_needed
+from fw.model.gguf_file import GGUFModel
+from fw.model.hardware import cpu_has_native_bf16
+from fw.model.hf import load_tokenizer
 from fw.kv_cache.dtype import kv_cache_requirement
-from fw.model_loader.quantized_weights import check_method_supported
-from fw.model_loader.source import ModelSource
+from fw.model.quantized_weights import check_method_supported
+from fw.model.source import ModelSource
 from fw.plugins.manager import PluginManager
 from fw.plugins.selection import unverified_warning
 from fw.plugins.specs import ArchitectureSpec, AttentionBackendSpec, AttentionRequirements
@@ -260,7 +260,7 @@ def tokenizer_origin(cfg: EngineConfig, source: ModelSource) -> str:
 def open_tokenizer(cfg: EngineConfig, source: ModelSource, gguf: GGUFModel | None = None) -> Any:
     """The transformers tokenizer from `tokenizer_origin`, with --chat-template in place of its own template.
     The template is set on this process's tokenizer object after it is loaded, never written into the
-    tokenizer's snapshot (fw.model_loader.fast_tokenizer), so an engine without the flag gets the model's."""
+    tokenizer's snapshot (fw.model.fast_tokenizer), so an engine without the flag gets the model's."""
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
     elif source.kind == "gguf":

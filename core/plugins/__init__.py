@@ -9,10 +9,10 @@ named in its distribution's entry points, group ``fw``::
 Optionally it declares ``FW_PLUGIN_API_VERSION = "1.0"``.
 
 An architecture that sets `ArchitectureSpec(build_config="model")` receives a `ModelConfig`
-(fw.model_config), the model's config read once, instead of the transformers config.
+(fw.model.config), the model's config read once, instead of the transformers config.
 """
 
-from fw.model_config import ModelConfig, MoeConfig, RopeConfig
+from fw.model.config import ModelConfig, MoeConfig, RopeConfig
 from fw.plugins.hookspecs import ENTRY_POINT_GROUP, hookimpl
 from fw.plugins.specs import (
     ArchitectureBuild,

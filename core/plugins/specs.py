@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only: listing plugins imports neither torch nor
     from fw.layers.context import ModelContext
     from fw.layers.linear import LinearMethod
     from fw.layers.moe import MoeKernel
-    from fw.model_config import ModelConfig
+    from fw.model.config import ModelConfig
     from fw.sampling.batch import SamplingBatch
     from fw.sampling.params import SamplingParams
     from fw.speculative.contract import Proposer, ProposerContext
@@ -97,7 +97,7 @@ def verification(spec: Any, device: str, capability: tuple[int, int] | None = No
 
 
 class ArchitectureBuild(Protocol):
-    """`ArchitectureSpec.build`: the model for `config` (a `fw.model_config.ModelConfig` when the spec
+    """`ArchitectureSpec.build`: the model for `config` (a `fw.model.config.ModelConfig` when the spec
     says `build_config="model"`, else the transformers config), with `ctx`'s dtype, device, attention
     backend and linear method, and rotary tables for `max_positions` (None: the model's own maximum)."""
 
@@ -143,7 +143,7 @@ class ArchitectureSpec:
     # Quantization methods are `LinearMethod`s, so a model built from `fw.layers.Linear` takes all of
     # them: None (the default) accepts every installed method; a tuple opts out of the rest (() accepts
     # none). Weights outside `Linear` (stacked MoE experts) stay in the model dtype whatever the method;
-    # a checkpoint that ships them quantized is refused by the loader (fw.model_loader.quantized_weights).
+    # a checkpoint that ships them quantized is refused by the loader (fw.model.quantized_weights).
     supported_quantization: tuple[str, ...] | None = None
     # (hf_name, tensor, hf_config) -> tensor, for GGUF files whose layout differs from HF's
     gguf_weight_transform: Callable[[str, torch.Tensor, PretrainedConfig], torch.Tensor] | None = None
@@ -161,7 +161,7 @@ class ArchitectureSpec:
     # How hidden states become one vector when the checkpoint does not say (no sentence-transformers
     # 1_Pooling/config.json) and --pooling is auto: "last" (token), "mean", "cls" (first token) or "max".
     default_pooling: str = "last"
-    # What `build` receives: "hf" (the transformers config) or "model" (fw.model_config.ModelConfig).
+    # What `build` receives: "hf" (the transformers config) or "model" (fw.model.config.ModelConfig).
     build_config: Literal["hf", "model"] = "hf"
     kind = "architecture"
 

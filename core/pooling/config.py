@@ -85,7 +85,7 @@ def _matryoshka(hf_config: Any) -> tuple[int, ...] | None:
 
 
 def engine_pooling(config: Any, loaded: Any) -> PoolingConfig | None:
-    """The pooling of an engine's loaded model (`fw.model_loader.LoadedModel`) under --task embed; None
+    """The pooling of an engine's loaded model (`fw.model.LoadedModel`) under --task embed; None
     when the engine generates."""
     if config.task != "embed":
         return None

@@ -26,7 +26,7 @@ from fw.engine.intake import request_id_and_ids
 from fw.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from fw.errors import InvalidRequestError, PromptTooLongError
 from fw.layers.encoder import EncoderMetadata
-from fw.model_loader.loader import load_model
+from fw.model.loader import load_model
 from fw.plugins.manager import PluginManager, engine_plugins
 from fw.pooling.config import engine_pooling
 from fw.pooling.params import PoolingParams

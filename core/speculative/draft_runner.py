@@ -28,7 +28,7 @@ from fw.engine.request import Request, Sequence
 from fw.errors import ConfigError
 from fw.kv_cache import allocation as kv_cache
 from fw.kv_cache.pages import PageManager
-from fw.model_loader.loader import LoadedModel, load_model
+from fw.model.loader import LoadedModel, load_model
 from fw.sampling.params import SamplingParams
 from fw.speculative.config import FLAG, SpeculativeConfig
 from fw.speculative.contract import DraftRequest, ProposerContext

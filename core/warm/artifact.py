@@ -27,7 +27,7 @@ class WarmContext:
 
     config: Any  # fw.config.EngineConfig
     plugins: Any  # fw.plugins.manager.PluginManager
-    source: Any = None  # fw.model_loader.source.ModelSource, after the model artifact ran or hit
+    source: Any = None  # fw.model.source.ModelSource, after the model artifact ran or hit
     hf_config: Any = None  # the model's transformers config, when known
     options: dict[str, Any] = field(default_factory=dict)  # e.g. {"warm_schemas": Path, "target_device": str}
     # What several artifacts derive from the above (device, dtype, attention backend, grammar tokenizer),

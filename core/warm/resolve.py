@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from fw.grammar.tokenizer import GrammarTokenizer
-from fw.model_loader.loader import eos_ids
+from fw.model.loader import eos_ids
 from fw.plan import resolve
 from fw.plan.rules import open_tokenizer
 from fw.warm.artifact import WarmContext

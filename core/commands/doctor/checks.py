@@ -22,9 +22,9 @@ from fw.default_model import default_model
 from fw.engine.factory import resolve_task
 from fw.errors import FwError
 from fw.grammar.constraint import CONSTRAINT_KINDS
-from fw.model_loader.attention_needs import logit_softcap_needed, sliding_window_needed
-from fw.model_loader.hf import safetensors_files
-from fw.model_loader.loader import eos_ids
+from fw.model.attention_needs import logit_softcap_needed, sliding_window_needed
+from fw.model.hf import safetensors_files
+from fw.model.loader import eos_ids
 from fw.plan import resolve
 from fw.plan.record import SELECTIONS
 from fw.plan.rules import checkpoint_quantization, num_experts

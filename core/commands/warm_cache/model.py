@@ -11,11 +11,11 @@ from huggingface_hub import constants
 
 from fw.commands.warm_cache.verify import Verified, verify_directory, verify_gguf
 from fw.errors import ModelLoadError
-from fw.model_loader.derived_cache import entry_dir
-from fw.model_loader.fast_tokenizer import SNAPSHOT_FILE
-from fw.model_loader.gguf_file import GGUFModel
-from fw.model_loader.hf import config_record, load_hf_config, load_tokenizer, tokenizer_record
-from fw.model_loader.source import HUB_PATTERNS, ModelSource, cached_snapshot, download_snapshot, local_source
+from fw.model.derived_cache import entry_dir
+from fw.model.fast_tokenizer import SNAPSHOT_FILE
+from fw.model.gguf_file import GGUFModel
+from fw.model.hf import config_record, load_hf_config, load_tokenizer, tokenizer_record
+from fw.model.source import HUB_PATTERNS, ModelSource, cached_snapshot, download_snapshot, local_source
 from fw.warm.artifact import WarmContext, WarmItem
 
 try:
@@ -99,7 +99,7 @@ class GgufTokenizerArtifact:
 
 class ModelRecordsArtifact:
     """A model directory's config and tokenizer as transformers reads them, recorded so that a start
-    reads them without importing transformers (fw.model_loader.config_snapshot, .fast_tokenizer; a
+    reads them without importing transformers (fw.model.config_snapshot, .fast_tokenizer; a
     GGUF file's are recorded with its tokenizer conversion and the plan's config)."""
 
     name = "model records"

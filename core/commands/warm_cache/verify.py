@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fw.errors import ModelLoadError
-from fw.model_loader.gguf_header import GGUFHeader
+from fw.model.gguf_header import GGUFHeader
 
 # Bytes per element of the safetensors dtypes; sub-byte and unknown dtypes are not size-checked.
 DTYPE_BYTES = {

@@ -19,13 +19,13 @@ from fw.errors import ModelLoadError
 from fw.kernels import cpu_ops, dense
 from fw.layers.context import ModelContext
 from fw.layers.packed_embedding import embedding_from_head, embedding_from_tied_head
-from fw.model_config import ModelConfig, as_model_config
-from fw.model_loader.attention_needs import check_built_layers
-from fw.model_loader.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
-from fw.model_loader.hf import generation_eos_ids, iter_safetensors
+from fw.model.config import ModelConfig, as_model_config
+from fw.model.attention_needs import check_built_layers
+from fw.model.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
+from fw.model.hf import generation_eos_ids, iter_safetensors
 from fw.kv_cache.dtype import KvScales, bind_kv_cache
-from fw.model_loader.quantized_weights import check_expert_tensors, warn_dense_experts
-from fw.model_loader.source import ModelSource
+from fw.model.quantized_weights import check_expert_tensors, warn_dense_experts
+from fw.model.source import ModelSource
 from fw.plan import EnginePlan, resolve
 from fw.plan.rules import linear_method as quantization_method
 # The rules live in fw.plan.rules; the names tests import from here stay importable.
@@ -57,7 +57,7 @@ class LoadedModel:
 
     @cached_property
     def model_config(self) -> ModelConfig:
-        """The model's config as the architecture read it (fw.model_config)."""
+        """The model's config as the architecture read it (fw.model.config)."""
         return as_model_config(self.hf_config)
 
 

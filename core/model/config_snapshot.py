@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, Callable
 
-from fw.model_loader.derived_cache import entry_dir
+from fw.model.derived_cache import entry_dir
 
 SNAPSHOT_VERSION = 2
 _DTYPE_KEYS = ("dtype", "torch_dtype")

@@ -71,7 +71,7 @@ def safetensors_names(path: Path) -> list[str]:
     """Tensor names of a checkpoint directory, from the file headers (no tensor is read)."""
     from safetensors import SafetensorError, safe_open  # here: only a checkpoint's scales need it
 
-    from fw.model_loader.hf import safetensors_files  # here: fw.model_loader.hf imports transformers' config classes
+    from fw.model.hf import safetensors_files  # here: fw.model.hf imports transformers' config classes
 
     names: list[str] = []
     for file in safetensors_files(path):

@@ -22,9 +22,9 @@ from fw.config import ROPE_TYPES
 from fw.errors import ModelLoadError
 from fw.layers.gguf_weight import GGUFWeight
 from fw.layers.weights import unpermute_gguf_qk
-from fw.model_loader.gguf_header import GGUFHeader
-from fw.model_loader.config_snapshot import cached_config
-from fw.model_loader.derived_cache import entry_dir, entry_key
+from fw.model.gguf_header import GGUFHeader
+from fw.model.config_snapshot import cached_config
+from fw.model.derived_cache import entry_dir, entry_key
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -82,7 +82,7 @@ class GGUFModel:
 
     def hf_config(self, hf_architecture: str):
         """The transformers config the metadata makes, recorded once per file and read back without
-        transformers on later starts (fw.model_loader.config_snapshot)."""
+        transformers on later starts (fw.model.config_snapshot)."""
         key = entry_key("gguf-configs", [self.path], hf_architecture)
         path = self.path  # the view keeps its builder: it reopens the file, not this reader's map of it
         return cached_config("gguf-configs", key, lambda: GGUFModel(path)._transformers_config(hf_architecture))
@@ -122,8 +122,8 @@ class GGUFModel:
 
     def tokenizer(self):
         """transformers' GGUF tokenizer conversion takes seconds: done once per file and kept in fw's cache
-        with its snapshot, which later starts load with `tokenizers` alone (fw.model_loader.fast_tokenizer)."""
-        from fw.model_loader.hf import cached_tokenizer  # here: fw.model_loader.hf imports transformers' config classes
+        with its snapshot, which later starts load with `tokenizers` alone (fw.model.fast_tokenizer)."""
+        from fw.model.hf import cached_tokenizer  # here: fw.model.hf imports transformers' config classes
 
         cached = self.tokenizer_cache_dir()
 

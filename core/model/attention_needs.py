@@ -15,7 +15,7 @@ from torch import nn
 
 from fw.errors import UnsupportedConfigurationError
 from fw.layers.attention import Attention
-from fw.model_config import as_model_config
+from fw.model.config import as_model_config
 
 
 def sliding_window_needed(hf_config: Any) -> int | None:

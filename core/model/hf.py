@@ -9,14 +9,14 @@ from typing import Any, Callable, Iterator
 import torch
 
 from fw.errors import ModelLoadError
-from fw.model_loader.config_snapshot import cached_config
-from fw.model_loader.derived_cache import entry_dir, entry_key, source_files, write_entry
-from fw.model_loader.fast_tokenizer import load_snapshot, save_snapshot, snapshot_supported
+from fw.model.config_snapshot import cached_config
+from fw.model.derived_cache import entry_dir, entry_key, source_files, write_entry
+from fw.model.fast_tokenizer import load_snapshot, save_snapshot, snapshot_supported
 
 
 def load_hf_config(path: Path, trust_remote_code: bool, revision: str | None = None):
     """The model's config as transformers reads it: built by transformers the first time, then its
-    record (fw.model_loader.config_snapshot) while config.json is unchanged; remote code always
+    record (fw.model.config_snapshot) while config.json is unchanged; remote code always
     goes through transformers."""
     def build():
         from transformers import AutoConfig  # here: transformers costs start-up time
@@ -53,7 +53,7 @@ def _has_remote_code(config_file: Path) -> bool:
 
 def load_tokenizer(path: Path | str, trust_remote_code: bool, revision: str | None = None):
     """The tokenizer of a model directory (or hub id): transformers' the first time, then its snapshot
-    loaded with `tokenizers` alone (fw.model_loader.fast_tokenizer) while the directory's files are
+    loaded with `tokenizers` alone (fw.model.fast_tokenizer) while the directory's files are
     unchanged. Hub ids and remote code always go through transformers."""
     def from_transformers():
         from transformers import AutoTokenizer  # here: transformers costs start-up time
