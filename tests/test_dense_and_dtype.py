@@ -12,7 +12,8 @@ from fw import LLM
 from fw.layers import Linear, dense_linear, pack_dense_weight
 from fw.kernels import dense
 from fw.kernels.dense import cpu_packing_available
-from fw.model import hardware, loader
+from fw.kernels import hardware
+from fw.model import loader
 from fw.model.source import ModelSource
 from fw.plan import rules
 

@@ -263,7 +263,7 @@ def test_override_is_accepted_and_shown(root, capsys):
     assert rows["fw_dup_two"]["overrides"] == {"sampler": ["dup_stage (from fw-dup-one)"]}
     assert rows["fw_dup_one"]["overrides"] == {}
 
-    from fw.cli.plugins_cmd import format_table
+    from fw.plugins.table import format_table
 
     assert "(overrides dup_stage (from fw-dup-one))" in format_table(manager.inventory())
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from fw import env
 from fw.plugins.specs import KINDS
+from fw.plugins.table import format_table
 
 # `fw plugins new --kind` values (fw.commands.scaffold.KINDS, listed here so building the parser stays import-light)
 SCAFFOLD_KINDS = ("architecture", "attention", "quantization", "sampler", "grammar")
@@ -143,25 +144,3 @@ def with_hf_architectures(rows: list[dict], served: dict[str, list[str]]) -> lis
         names = row["provides"].get("architecture", [])
         row["hf_architectures"] = {n: list(served[n]) for n in names if n in served}
     return rows
-
-
-def format_table(rows: list[dict]) -> str:
-    header = ("PLUGIN", "DISTRIBUTION", "VERSION", "API", "STATUS", "PROVIDES")
-    lines = [header]
-    for r in rows:
-        served = r.get("hf_architectures", {})
-        provides = "; ".join(f"{kind}: {', '.join(_with_served(n, served) for n in names)}"
-                             for kind, names in r["provides"].items() if names)
-        if r["overrides"]:
-            provides += " (overrides " + "; ".join(x for v in r["overrides"].values() for x in v) + ")"
-        status = "error: " + r["error"] if r["error"] else r["status"]
-        lines.append((r["name"], r["distribution"], r["version"], r["api_version"] or "-", status, provides or "-"))
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header) - 1)]
-    return "\n".join(
-        "  ".join(str(c).ljust(w) for c, w in zip(line[:-1], widths)) + "  " + str(line[-1]) for line in lines
-    )
-
-
-def _with_served(name: str, served: dict[str, list[str]]) -> str:
-    """`llama (LlamaForCausalLM, MistralForCausalLM)` for an architecture, the bare name otherwise."""
-    return f"{name} ({', '.join(served[name]) or 'any, as a fallback'})" if name in served else name

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from fw import env
 from fw.kernels.loader import DEFAULT_CFLAGS, try_load_cpp_ops
 from fw.kernels import weight_arena
+from fw.kernels.hardware import this_cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ def cpu_packing_available() -> bool:
 
 def bf16_kernel_wanted() -> bool:
     """This CPU has AVX512-BF16 and packing is not turned off or pinned to oneDNN."""
-    from fw.model.hardware import this_cpu_flags  # lazy: the loader imports fw.layers
 
     return _packing_mode() == "auto" and "avx512_bf16" in this_cpu_flags()
 

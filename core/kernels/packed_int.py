@@ -29,6 +29,7 @@ import torch
 from fw import env
 from fw.kernels.loader import DEFAULT_CFLAGS, try_load_cpp_ops
 from fw.kernels import weight_arena
+from fw.kernels.hardware import this_cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,6 @@ def cpu_kernels_enabled() -> bool:
 
 def wanted() -> bool:
     """This CPU has AVX512-VNNI and the kernels are not turned off."""
-    from fw.model.hardware import this_cpu_flags  # lazy: the loader imports fw.layers
 
     if not cpu_kernels_enabled():
         return False

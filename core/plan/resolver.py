@@ -19,7 +19,7 @@ from fw.config import EngineConfig, flag_name
 from fw.devices import cuda_capability, describe
 from fw.errors import ConfigError, FwError, ModelLoadError
 from fw.model.gguf_file import GGUFModel
-from fw.model.hardware import this_cpu_flags
+from fw.kernels.hardware import this_cpu_flags
 from fw.model.hf import load_hf_config
 from fw.kv_cache.dtype import resolve_kv_cache_dtype
 from fw.model.source import ModelSource, cached_snapshot, local_source, resolve_model

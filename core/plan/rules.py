@@ -18,7 +18,7 @@ from fw.layers.encoder import BidirectionalAttention
 from fw.model.config import as_model_config
 from fw.model.attention_needs import logit_softcap_needed, sliding_window_needed
 from fw.model.gguf_file import GGUFModel
-from fw.model.hardware import cpu_has_native_bf16
+from fw.kernels.hardware import cpu_has_native_bf16
 from fw.model.hf import load_tokenizer
 from fw.kv_cache.dtype import kv_cache_requirement
 from fw.model.quantized_weights import check_method_supported

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from fw.cli.plugins_cmd import format_table
+from fw.plugins.table import format_table
 from fw.commands.doctor.config import config_sources
 from fw.config import add_config_arguments, resolve_config
 from fw.errors import FwError

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fw.model.hardware import cpu_flags, cpu_has_native_bf16
+from fw.kernels.hardware import cpu_flags, cpu_has_native_bf16
 from fw.version import PLUGIN_API_VERSION, __version__
 
 # CPU flags worth showing: the vector ISA levels, and the bf16/int8 dot products and tiles that
