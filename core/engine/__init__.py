@@ -1,1 +1,1 @@
-"""The engine: requests, scheduler, paged KV blocks, model runner, outputs."""
+"""The engine: requests, scheduler, model runner, detokenizer, outputs; the paged KV cache it schedules is fw.kv_cache."""
