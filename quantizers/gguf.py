@@ -27,6 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -353,6 +354,7 @@ _warned: set[int] = set()  # GGUF types already reported as dequantized at load,
 
 def _warn_dequantized_at_load(kind: int, prefix: str) -> None:
     """One warning per GGUF type (and process) that fw dequantizes at load for want of a packed kernel."""
+    # here: the gguf library would cost every engine start 0.1 s (the plugins load with the manager)
     from gguf import GGMLQuantizationType
 
     if kind in _warned:
@@ -368,7 +370,7 @@ def _warn_dequantized_at_load(kind: int, prefix: str) -> None:
 
 def _dequantize_any(tensor: GGUFWeight, prefix: str) -> torch.Tensor:
     """A packed weight of any ggml type, dequantized by the gguf library (float32 [rows, cols])."""
-    import numpy as np
+    # here: as in _warn_dequantized_at_load
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import logging
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from fw.config import EngineConfig, add_config_arguments, resolve_config
+from fw.default_model import default_model
 from fw.errors import ConfigError
+from fw.server.config import ServerConfig
 from fw.warm.startup import mark_ready, resume_collector
 
 NAME = "serve"
@@ -19,8 +23,6 @@ HELP = "Serve a model over an OpenAI-compatible HTTP API."
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from fw.server.config import ServerConfig
-
     add_config_arguments(p, ServerConfig, title="server options")
     add_config_arguments(p)
 
@@ -36,24 +38,23 @@ def served_names(config, model_arg: str | None, source_path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fw.server.config import ServerConfig
-
     engine_config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))
     server_config = resolve_config(cli=vars(args), config_file=args.config, cls=ServerConfig,
                                    shares_file_with=(EngineConfig,))
-    from fw.distributed.launch import under_launcher
+    from fw.distributed.launch import under_launcher  # here: torch (1 s); `fw --help` imports this module
 
     engine_config = under_launcher(engine_config)  # torchrun: ranks other than 0 become workers here
     if engine_config.node_rank > 0:  # this machine runs tensor-parallel workers only; node 0 serves
-        from fw.distributed.node import run_node
+        from fw.distributed.node import run_node  # here: as above
 
         return run_node(engine_config)
     # before the imports and the model load: a port in use fails in a fraction of a second
     sock = listening_socket(server_config.host, server_config.port)
 
-    import uvicorn
+    import uvicorn  # here: after the port check, which fails in a fraction of a second; not for `fw --help`
 
-    from fw.default_model import default_model
+    # here: as above (the engine, torch, fastapi)
+    from fw.distributed.data_parallel import DataParallelEngine
     from fw.engine.factory import create_engine
     from fw.server.app import build_app
     from fw.server.async_engine import AsyncEngine
@@ -70,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
     check_tool_parser_flag(get_plugin_manager().registry("tool_parser"), engine_config.tool_call_parser)
     print(f"fw: loading {engine_config.model} ...", file=sys.stderr, flush=True)
     if engine_config.data_parallel_size > 1:  # replicas in processes of their own, replica 0 in this one
-        from fw.distributed.data_parallel import DataParallelEngine
-
         engine = DataParallelEngine.start(engine_config, create_engine)
     else:
         engine = create_engine(engine_config)  # LLMEngine, or fw.pooling's EncoderEngine for an encoder
@@ -135,8 +134,6 @@ def _exit_when_the_engine_dies(server, async_engine) -> None:
     """A lost rank leaves an engine that can never step (issue 22): shut the server down (its workers are
     stopped already; the engine's close stops the rest) and let `run` return non-zero, so a supervisor
     restarts it instead of routing traffic to a server that can only fail."""
-    import threading
-
     def shut_down_soon(why: str) -> None:
         logging.getLogger("fw.server").error("shutting down in %.0f s: the engine is dead (%s)",
                                              DEAD_ENGINE_LINGER_S, why)
@@ -181,9 +178,7 @@ def _end_streams_before_the_deadline(server, state, timeout: int) -> None:
     them: a stream still running would end mid-answer with no word why. Half a second before that
     deadline, each unfinished stream is ended with a 503 `service_unavailable` error event and
     [DONE] instead (its request aborted), so a client can tell a shutdown from a network fault."""
-    import asyncio
-
-    from fw.server.state import ShuttingDownError
+    from fw.server.state import ShuttingDownError  # here: the server's modules load with `fw serve`'s engine
 
     original = server.shutdown
 
@@ -206,7 +201,7 @@ def _end_streams_before_the_deadline(server, state, timeout: int) -> None:
 
 
 def _configure_logging(json_logs: bool, level: str) -> None:
-    from fw.server.app import JsonLogFormatter
+    from fw.server.app import JsonLogFormatter  # here: as in _end_streams_before_the_deadline (fastapi)
 
     handler = logging.StreamHandler()
     if json_logs:

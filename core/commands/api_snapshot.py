@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any, Iterable
 
 from fw import version  # version.PLUGIN_API_VERSION is read at each call (a test bumps it)
+from fw.plugins import hookspecs
 
 SNAPSHOT_PATH = Path("docs/plugin-api-snapshot.json")
 REGENERATE = "python -m fw.commands.api_snapshot --write"
@@ -279,7 +280,7 @@ def compute_entries(hookspec_module: ModuleType | None = None,
                     types: Iterable[tuple[str, str]] = STABLE_TYPES) -> dict[str, str]:
     """The flattened stable API of the code as it is now, sorted by key."""
     if hookspec_module is None:
-        from fw.plugins import hookspecs as hookspec_module
+        hookspec_module = hookspecs
     out = _hook_entries(hookspec_module)
     for dotted, role in types:
         obj = _resolve(dotted)

@@ -7,6 +7,7 @@ For plugins: implement the `fw_warm_cache_artifacts(context, add)` hook and add
 `fw.warm.resolve` tells what the server would pick for the context's flags.
 `fw.warm.startup` records the phases of an engine's start-up."""
 
+import importlib
 from typing import Any
 
 from fw.warm.artifact import WarmArtifact, WarmContext, WarmItem
@@ -18,7 +19,5 @@ _LAZY = {"CppOpsArtifact": "fw.warm.cpp", "GrammarWarmArtifact": "fw.warm.gramma
 
 def __getattr__(name: str) -> Any:  # the ready-made artifacts import torch: only when asked for
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fw.warm' has no attribute {name!r}")

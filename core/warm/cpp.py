@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from fw.kernels import loader
+from fw.kernels import cpu_ops, dense, loader, packed_int
+from fw.warm import resolve
 from fw.warm.artifact import WarmContext, WarmItem
 
 logger = logging.getLogger("fw.warm")
@@ -59,15 +60,11 @@ class CppOpsArtifact:
 
 def cpu_target(context: WarmContext) -> bool:
     """The server would run on this machine's CPU."""
-    from fw.warm import resolve
-
     return resolve.device(context).type == "cpu"
 
 
 def core_cpu_ops() -> CppOpsArtifact:
     """The fused CPU layer ops of fw.kernels.cpu_ops (RMSNorm, rotary, SiLU * up, argmax)."""
-    from fw.kernels import cpu_ops
-
     return CppOpsArtifact("cpu_ops", cpu_ops._SOURCE, cpu_ops._CFLAGS, owner="core",
                           applies=lambda context: cpu_target(context) and cpu_ops.wanted())
 
@@ -75,9 +72,6 @@ def core_cpu_ops() -> CppOpsArtifact:
 def core_dense_bf16() -> CppOpsArtifact:
     """fw's bf16 matmul kernel (fw.kernels.dense), for a bf16 model on a CPU with AVX512-BF16 (or a model
     whose dtype is not known yet: its files are not here)."""
-    from fw.kernels import dense
-    from fw.warm import resolve
-
     def applies(context: WarmContext) -> bool:
         return (cpu_target(context) and dense.bf16_kernel_wanted()
                 and resolve.dtype(context) in (None, torch.bfloat16))
@@ -87,7 +81,5 @@ def core_dense_bf16() -> CppOpsArtifact:
 
 def core_packed_int() -> CppOpsArtifact:
     """fw's packed-int kernels (fw.kernels.packed_int) for quantized weights, on a CPU with AVX512-VNNI."""
-    from fw.kernels import packed_int
-
     return CppOpsArtifact("packed_int", packed_int.SOURCE, packed_int.DEFAULT_CFLAGS, owner="core",
                           applies=lambda context: cpu_target(context) and packed_int.wanted())
