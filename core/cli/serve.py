@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
 import logging
 import signal
@@ -178,6 +177,8 @@ def _end_streams_before_the_deadline(server, state, timeout: int) -> None:
     them: a stream still running would end mid-answer with no word why. Half a second before that
     deadline, each unfinished stream is ended with a 503 `service_unavailable` error event and
     [DONE] instead (its request aborted), so a client can tell a shutdown from a network fault."""
+    import asyncio  # here: 30 ms that `fw --help` (which imports this module) does not pay
+
     from fw.server.state import ShuttingDownError  # here: the server's modules load with `fw serve`'s engine
 
     original = server.shutdown

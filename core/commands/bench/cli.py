@@ -6,7 +6,6 @@ and `fw bench plot` on saved reports, draw them (fw.commands.bench.plot)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 
@@ -206,6 +205,8 @@ def run_plot(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Exit status 0 when at least one request completed, 1 when none did (the numbers mean nothing)."""
+    import asyncio  # here: 30 ms that `fw --help` (which imports this module) does not pay
+
     # here: the load generator imports httpx, which would cost `fw --help` 70 ms
     from fw.commands.bench.report import build_report, format_table, write_json
     from fw.commands.bench.serve_load import BenchConfig, api_url, benchmark
