@@ -33,11 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.errors import ModelLoadError
-from fw.layers import GGUFWeight, Linear, LinearMethod, dense_linear, dense_logits, pack_dense_weight
-from fw.kernels import packed_int, packed_record
+from fw.layers import GGUFWeight, Linear, LinearMethod
+from fw.kernels import dense, packed_int, packed_record
+from fw.kernels.dense import DenseLayout
 from fw.plugins import QuantizationMethodSpec, Verified, hookimpl
 
-FW_PLUGIN_API_VERSION = "1.8"  # fw.layers.GGUFWeight, dense_logits
+FW_PLUGIN_API_VERSION = "1.10"  # LinearMethod.silu_mul
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +240,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_groups = []
         layer.packed_int = None  # the kernels' layout, when _repack chose it at load
         layer.dense = False  # dequantized at load by the dense fallback
+        layer.dense_layout = DenseLayout.PLAIN  # and then packed in this layout (fw.kernels.dense)
 
     def load_weight(self, layer: Linear, param_name: str, tensor, shard: int | None) -> None:
         if param_name != "weight":
@@ -296,8 +298,9 @@ class GGUFLinearMethod(LinearMethod):
             if not isinstance(g.kind, torch.dtype) and g.kind not in FLOAT_TYPES:
                 _warn_dequantized_at_load(g.kind, layer.prefix)
         weight = self.dequantize(layer, layer.params_dtype)
-        layer.weight = nn.Parameter(pack_dense_weight(weight, layer.device, gate_up=layer.silu_gate_up
-                                                      and layer.bias is None), requires_grad=False)
+        packed, layer.dense_layout = dense.pack_dense(weight, layer.device, gate_up=layer.silu_gate_up
+                                                      and layer.bias is None)
+        layer.weight = nn.Parameter(packed, requires_grad=False)
         layer.gguf_groups = []
         layer.dense = True
 
@@ -342,11 +345,17 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.dense:
-            return dense_logits(x, layer.weight, layer.bias) if layer.fp32_out else dense_linear(x, layer.weight,
-                                                                                                layer.bias)
+            product = dense.logits if layer.fp32_out else dense.linear
+            return product(x, layer.weight, layer.dense_layout, layer.bias)
         if layer.packed_int is not None:
             return packed_int.layer_forward(layer, x)
         return F.linear(x, self.dequantize(layer, x.dtype), layer.bias)
+
+    def silu_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        # fw's bf16 kernel fuses the activation where the dequantized weight was packed for it
+        if layer.dense and layer.silu_gate_up and layer.dense_layout is DenseLayout.GATE_UP:
+            return dense.dense_silu_mul(x, layer.weight)
+        return None
 
 
 _warned: set[int] = set()  # GGUF types already reported as dequantized at load, once per process

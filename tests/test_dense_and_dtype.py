@@ -171,7 +171,7 @@ def test_loaded_bf16_weights_are_the_packed_checkpoint(gqa_dir, monkeypatch):
     def no_plain_weight(weight, *args, **kwargs):
         raise AssertionError("a plain weight was loaded, then packed")
 
-    monkeypatch.setattr(linear, "pack_dense_weight", no_plain_weight)
+    monkeypatch.setattr(linear, "pack_dense", no_plain_weight)
     llm = LLM(str(gqa_dir), dtype="bfloat16", num_kv_blocks=16)
     layer = llm.engine.loaded.model.model.layers[0]
     tensors = {name: t.to(torch.bfloat16) for name, t in iter_safetensors(gqa_dir) if ".layers.0." in name}

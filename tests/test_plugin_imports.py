@@ -33,6 +33,10 @@ EXCEPTIONS = {
     ("fw.quantizers", "fw.kernels.packed_int"):
         "the packed 4/8-bit CPU kernels (fw.kernels) every built-in quantization method packs its weights for "
         "(docs/quantization.md); their layout changes with the kernels, so it is not promised to third parties",
+    ("fw.quantizers.gguf", "fw.kernels.dense"):
+        "a layer without a packed-int kernel is dequantized at load into fw's dense layout, and the method keeps "
+        "the layout pack_dense chose (DenseLayout) to run it and fuse the SiLU: the unquantized method's own "
+        "kernel, internal like the packed-int ones",
     ("fw.quantizers.gguf", "fw.kernels.packed_record"):
         "GGUF weights repacked for those kernels, recorded in fw's cache by the blocks' hash: the gguf method's "
         "side of the loader's record, internal for the same reason",

@@ -20,6 +20,7 @@ oneDNN, to compare or to rule a layout out when chasing a numerical difference.
 
 from __future__ import annotations
 
+import enum
 import logging
 from pathlib import Path
 
@@ -87,6 +88,71 @@ def prepare(device: torch.device | str, dtype: torch.dtype) -> None:
         bf16_kernel_ready()
 
 
+class DenseLayout(enum.Enum):
+    """The layout `pack_dense` chose for a weight. Its owner records it at load and passes it to `linear`,
+    `logits` and `silu_mul`: a layer never recognises a layout from a tensor's shape."""
+
+    PLAIN = "plain"  # [out, in] as loaded: F.linear
+    ONEDNN = "onednn"  # oneDNN's packed layout (an mkldnn tensor)
+    BLOCKED = "blocked"  # fw's bf16 blocks, [N, K / 2, 2]
+    GATE_UP = "gate_up"  # fw's bf16 blocks of a SiLU MLP's [gate; up], [2, I, K / 2, 2]: the SiLU can fuse
+
+
+def pack_dense(weight: torch.Tensor, device: torch.device | str,
+               gate_up: bool = False) -> tuple[torch.Tensor, DenseLayout]:
+    """The weight [out, in] in the layout dense products run fastest with on `device` (where the model will
+    run; weights load on the CPU first), and which layout that is: the input itself, PLAIN, where packing
+    does not apply (another device, another dtype, packing off). A packed weight cannot move off the CPU.
+    `gate_up`: the weight is [gate; up] of a SiLU MLP, which `silu_mul` may then fuse."""
+    if torch.device(device).type != "cpu" or weight.device.type != "cpu":
+        return weight, DenseLayout.PLAIN
+    if weight.dtype not in _PACKABLE_DTYPES or weight.dim() != 2:
+        return weight, DenseLayout.PLAIN
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_kernel_ready():
+        rows, cols = weight.shape  # written straight into the arena: pack_bf16's bytes, without a copy between
+        packed = blocked_view(weight_arena.take(rows * cols * 2).view(torch.bfloat16), rows, cols, gate_up)
+        pack_rows_into(packed, weight.detach(), 0)
+        return packed, blocked_layout(rows, gate_up)
+    if not cpu_packing_available():
+        return weight, DenseLayout.PLAIN
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()), DenseLayout.ONEDNN
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, layout: DenseLayout,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight^T (+ bias) for a weight in `layout` (as `pack_dense` returned them)."""
+    if layout is DenseLayout.BLOCKED:
+        return _blocked(x, weight, bias, False)
+    if layout is DenseLayout.GATE_UP:
+        if bias is not None:
+            raise ValueError("dense_linear: a weight packed with gate_up=True takes no bias")
+        return _gate_up(x, weight, False)
+    if layout is DenseLayout.ONEDNN:
+        return _onednn(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor, layout: DenseLayout,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` for the output projection's logits: fw's bf16 kernel returns its fp32 sums unrounded; other
+    layouts give the model dtype, as Hugging Face's models do (the engine casts them into a buffer it keeps
+    across steps)."""
+    if layout is DenseLayout.BLOCKED:
+        return _blocked(x, weight, bias, True)
+    return linear(x, weight, layout, bias)
+
+
+def layout_of(weight: torch.Tensor) -> DenseLayout:
+    """The layout of a weight `pack_dense_weight` returned, for callers of the one-argument API
+    (`dense_linear`, `dense_logits`) that kept the tensor without `pack_dense`'s record: read from the
+    tensor's rank and type. fw's own layers keep the record instead."""
+    if weight.is_mkldnn:
+        return DenseLayout.ONEDNN
+    if is_blocked_bf16(weight):
+        return DenseLayout.BLOCKED
+    return DenseLayout.GATE_UP if is_gate_up_bf16(weight) else DenseLayout.PLAIN
+
+
 def is_blocked_bf16(weight: torch.Tensor) -> bool:
     """`weight` is in fw's blocked bf16 layout, shaped [N, K / 2, 2] (a plain weight is 2-D)."""
     return weight.dim() == 3 and weight.dtype == torch.bfloat16 and weight.shape[2] == 2
@@ -98,22 +164,8 @@ def is_gate_up_bf16(weight: torch.Tensor) -> bool:
 
 
 def pack_dense_weight(weight: torch.Tensor, device: torch.device | str, gate_up: bool = False) -> torch.Tensor:
-    """The weight [out, in] in the layout `dense_linear` runs fastest with on `device`, where the model
-    will run (weights load on the CPU first); the input itself where packing does not apply (another
-    device, another dtype, packing off). A packed weight cannot move off the CPU. `gate_up`: the weight
-    is [gate; up] of a SiLU MLP, and `dense_silu_mul` may fuse the activation into its product."""
-    if torch.device(device).type != "cpu" or weight.device.type != "cpu":
-        return weight
-    if weight.dtype not in _PACKABLE_DTYPES or weight.dim() != 2:
-        return weight
-    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_kernel_ready():
-        rows, cols = weight.shape  # written straight into the arena: pack_bf16's bytes, without a copy between
-        packed = blocked_view(weight_arena.take(rows * cols * 2).view(torch.bfloat16), rows, cols, gate_up)
-        pack_rows_into(packed, weight.detach(), 0)
-        return packed
-    if not cpu_packing_available():
-        return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    """`pack_dense`'s weight alone (the stable plugin API's form; `dense_linear` reads its layout back)."""
+    return pack_dense(weight, device, gate_up)[0]
 
 
 _BLOCK = 48  # output columns per block of fw's bf16 layout (dense_bf16.cpp's NR); a SiLU gate/up block holds
@@ -130,9 +182,14 @@ def blocked_bf16_buffer(rows: int, cols: int, device: torch.device | str) -> tor
     return weight_arena.take(rows * cols * 2).view(torch.bfloat16)
 
 
+def blocked_layout(rows: int, gate_up: bool) -> DenseLayout:
+    """Which of fw's bf16 layouts a [rows, cols] weight takes: a gate/up one needs an even row count."""
+    return DenseLayout.GATE_UP if gate_up and rows % 2 == 0 else DenseLayout.BLOCKED
+
+
 def blocked_view(buffer: torch.Tensor, rows: int, cols: int, gate_up: bool) -> torch.Tensor:
-    """`buffer` shaped as `pack_dense_weight(weight [rows, cols], gate_up=gate_up)` would return it."""
-    if gate_up and rows % 2 == 0:
+    """`buffer` shaped as `pack_dense(weight [rows, cols], gate_up=gate_up)` returns it (`blocked_layout`)."""
+    if blocked_layout(rows, gate_up) is DenseLayout.GATE_UP:
         return buffer.view(2, rows // 2, cols // 2, 2)
     return buffer.view(rows, cols // 2, 2)
 
@@ -199,14 +256,9 @@ def _scatter(words: torch.Tensor, src: torch.Tensor, first: int, total: int, wid
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight^T (+ bias), for a weight from `pack_dense_weight` (packed or plain)."""
-    if is_blocked_bf16(weight):
-        return _blocked(x, weight, bias, False)
-    if is_gate_up_bf16(weight):
-        if bias is not None:
-            raise ValueError("dense_linear: a weight packed with gate_up=True takes no bias")
-        return _gate_up(x, weight, False)
-    return _packed_or_plain(x, weight, bias)
+    """x [..., in] @ weight^T (+ bias), for a weight from `pack_dense_weight` (packed or plain): the stable
+    plugin API's form of `linear`, the layout read back with `layout_of`."""
+    return linear(x, weight, layout_of(weight), bias)
 
 
 def dense_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -222,12 +274,8 @@ def _gate_up(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
 
 
 def dense_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`dense_linear` for the output projection's logits: fw's bf16 kernel returns its fp32 sums
-    unrounded; other layouts give the model dtype, as Hugging Face's models do (the engine casts them
-    into a buffer it keeps across steps)."""
-    if is_blocked_bf16(weight):
-        return _blocked(x, weight, bias, True)
-    return dense_linear(x, weight, bias)
+    """`logits` for a weight from `pack_dense_weight`, the layout read back with `layout_of`."""
+    return logits(x, weight, layout_of(weight), bias)
 
 
 def _check_input_dtype(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -243,8 +291,8 @@ def _blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, f
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _packed_or_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if not weight.is_mkldnn:
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if not weight.is_mkldnn:  # kept from before the layout was recorded: torch.compile's traced graphs depend on it
         return F.linear(x, weight, bias)
     if x.dim() == 2 and x.is_contiguous() and x.dtype == weight.dtype:  # the hot path: one op
         return _linear_pointwise(x, weight, bias, "none", [], "")

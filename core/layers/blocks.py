@@ -29,7 +29,7 @@ from fw.layers.attention import Attention
 from fw.layers.context import ModelContext
 from fw.layers.norm import RMSNorm
 from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear, deal
-from fw.kernels import cpu_ops, dense
+from fw.kernels import cpu_ops
 from fw.layers.rotary import RotaryEmbedding, rotate_heads_
 from fw.model.config import as_model_config
 
@@ -161,10 +161,10 @@ class GatedMLP(nn.Module):
         self.inter = self.down_proj.input_size  # this rank's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = getattr(self.gate_up_proj, "weight", None)
-        # packed for the fused SiLU, unless the flag was cleared since (fw.lora: its updates come before the SiLU)
-        if weight is not None and self.gate_up_proj.silu_gate_up and dense.is_gate_up_bf16(weight):
-            return self.down_proj.forward(dense.dense_silu_mul(x, weight))
+        # the activation fused into the product where the layer's method does it (fw's bf16 CPU kernel)
+        fused = self.gate_up_proj.method.silu_mul(self.gate_up_proj, x) if self.fusable else None
+        if fused is not None:
+            return self.down_proj.forward(fused)
         gate_up = self.gate_up_proj.forward(x)
         if self.fusable and cpu_ops.usable(gate_up):
             return self.down_proj.forward(cpu_ops.silu_mul(gate_up))

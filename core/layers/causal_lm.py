@@ -15,7 +15,8 @@ from torch import nn
 
 from fw.layers.blocks import FUSED_PROJECTIONS
 from fw.layers.context import ModelContext
-from fw.kernels.dense import dense_logits, pack_dense_weight
+from fw.kernels import dense
+from fw.kernels.dense import DenseLayout
 from fw.layers.linear import Linear, UnquantizedLinearMethod
 from fw.layers.weights import load_named_weights
 from fw.model.config import ModelConfig, as_model_config
@@ -45,6 +46,7 @@ class CausalLM(nn.Module):
             self.lm_head.fp32_out = True
         self.device = ctx.device
         self.tied_head: torch.Tensor | None = None  # the embedding packed for CPU matmuls, after loading
+        self.tied_head_layout = DenseLayout.PLAIN  # its layout (fw.kernels.dense), recorded when it is packed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
@@ -53,18 +55,19 @@ class CausalLM(nn.Module):
         """The logits: fw's bf16 CPU kernel's unrounded fp32 sums where it runs the (dense) head, else in
         the head's own dtype."""
         if self.tie:
-            head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
-            return dense_logits(hidden, head)
+            if self.tied_head is not None:
+                return dense.logits(hidden, self.tied_head, self.tied_head_layout)
+            return dense.logits(hidden, self.model.embed_tokens.weight, DenseLayout.PLAIN)
         if type(self.lm_head.method) is UnquantizedLinearMethod:
-            return dense_logits(hidden, self.lm_head.weight, self.lm_head.bias)
+            return dense.logits(hidden, self.lm_head.weight, self.lm_head.dense_layout, self.lm_head.bias)
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = self.load_checkpoint(weights, self.skip_weights + (("lm_head.",) if self.tie else ()))
         if self.tie:
             embedding = self.model.embed_tokens.weight.data
-            packed = pack_dense_weight(embedding, self.device)
-            self.tied_head = packed if packed is not embedding else None
+            packed, layout = dense.pack_dense(embedding, self.device)
+            self.tied_head, self.tied_head_layout = (packed, layout) if packed is not embedding else (None, layout)
         return loaded
 
     def load_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...]) -> set[str]:

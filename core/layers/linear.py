@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fw.kernels.dense import blocked_bf16_buffer, blocked_view, dense_linear, pack_dense_weight, pack_rows_into
+from fw.kernels import dense
+from fw.kernels.dense import DenseLayout, blocked_bf16_buffer, blocked_layout, blocked_view, pack_dense, pack_rows_into
 
 
 class LinearMethod:
@@ -42,6 +43,12 @@ class LinearMethod:
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def silu_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a SiLU MLP's fused [gate; up] projection (`layer.silu_gate_up`), where this
+        method's kernel computes it in the product; None (the default) has the MLP apply the layer and the
+        activation in turn."""
+        return None
+
     def weight_bytes(self, layer: "Linear") -> int:
         return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
 
@@ -57,6 +64,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(
             torch.empty(sum(layer.output_sizes), layer.input_size, dtype=layer.params_dtype), requires_grad=False
         )
+        layer.dense_layout = DenseLayout.PLAIN  # until loading packs it (`dense.pack_dense` says which layout)
         layer._blocked_room = blocked_bf16_buffer(layer.output_size, layer.input_size, layer.device) \
             if layer.params_dtype == torch.bfloat16 else None
 
@@ -64,6 +72,7 @@ class UnquantizedLinearMethod(LinearMethod):
         room = layer.__dict__.pop("_blocked_room", None) if param_name == "weight" else None
         if room is not None:  # the first shard: shape the room now that silu_gate_up is known
             gate_up = layer.silu_gate_up and layer.bias is None
+            layer.dense_layout = blocked_layout(layer.output_size, gate_up)
             layer._blocked = blocked_view(room, layer.output_size, layer.input_size, gate_up)
         blocked = layer.__dict__.get("_blocked") if param_name == "weight" else None
         if blocked is None:
@@ -84,12 +93,17 @@ class UnquantizedLinearMethod(LinearMethod):
             layer.weight = nn.Parameter(blocked, requires_grad=False)
             return
         gate_up = layer.silu_gate_up and layer.bias is None
-        packed = pack_dense_weight(layer.weight.data, layer.device, gate_up=gate_up)
+        packed, layer.dense_layout = pack_dense(layer.weight.data, layer.device, gate_up=gate_up)
         if packed is not layer.weight.data:
             layer.weight = nn.Parameter(packed, requires_grad=False)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, layer.weight, layer.bias)
+        return dense.linear(x, layer.weight, layer.dense_layout, layer.bias)
+
+    def silu_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor | None:
+        if layer.silu_gate_up and layer.dense_layout is DenseLayout.GATE_UP:  # packed for it at load
+            return dense.dense_silu_mul(x, layer.weight)
+        return None
 
 
 class Linear(nn.Module):

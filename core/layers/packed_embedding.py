@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fw.kernels.dense import blocked_rows, is_blocked_bf16
+from fw.kernels.dense import DenseLayout, blocked_rows
 from fw.kernels.packed_int import BLOCK, RECORD_BYTES, TILE, PackedWeight
 
 _QUADS = BLOCK // 4  # an 8-bit record's codes: [quad of 4 inputs][row of the tile][4 inputs]
@@ -65,9 +65,9 @@ def embedding_from_tied_head(model: nn.Module) -> bool:
     embedding = getattr(inner, "embed_tokens", None)
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, torch.Tensor):
         return False
-    weight = embedding.weight
-    if not is_blocked_bf16(head) or weight.dtype != torch.bfloat16 or head.shape[:2] != (weight.shape[0],
-                                                                                       weight.shape[1] // 2):
+    if getattr(model, "tied_head_layout", None) is not DenseLayout.BLOCKED:  # as CausalLM recorded when it packed
+        return False
+    if embedding.weight.dtype != torch.bfloat16 or head.shape[0] != embedding.num_embeddings:  # not this table's
         return False
     inner.embed_tokens = BlockedRowEmbedding(head)
     return True

@@ -205,9 +205,9 @@ class LoRAManager:
 
     def _wrap(self, on: bool) -> None:
         """Steps with an adapter run the layers' LoRA methods; steps of base requests alone run the layers'
-        own methods, so they cost what they would without --enable-lora. GatedMLP's fused SiLU reads the packed
-        gate/up weight directly, skipping the method: with an adapter the update must land on gate and up
-        before the activation, so those steps take the unfused path."""
+        own methods, so they cost what they would without --enable-lora. GatedMLP's fused SiLU is the layer's own
+        method's (`silu_mul`), which a LoRA method does not offer: with an adapter the update must land on gate
+        and up before the activation, so those steps take the unfused path (and `silu_gate_up` says so)."""
         if on == self._wrapped:
             return
         for prefix, layer in self.layers.items():
