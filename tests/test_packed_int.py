@@ -47,7 +47,7 @@ def test_kernel_matches_references(m, n, k, bits, dtype):
     torch.testing.assert_close(out.float(), got.float().to(dtype).float(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bits, m", [(4, 9), (4, 64), (4, 300), (8, 1), (8, 9), (8, 300)])
+@pytest.mark.parametrize("bits, m", [(4, 9), (4, 64), (4, 300), (8, 1), (8, 4), (8, 9), (8, 300)])
 def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m, bits):
     """Above RESIDUAL_MAX_ROWS (8-bit weights: at any size), a row whose outlier channels make a few blocks'
     scales large takes the second term in those blocks only: the kernel matches the reference that models it, and its error against the
@@ -73,13 +73,14 @@ def test_heavy_blocks_take_the_residual_above_the_decode_sizes(m, bits):
 
 def test_an_8bit_row_is_the_same_alone_and_among_others():
     """8-bit products choose a row's second-term blocks by the row alone: its result is bit for bit the same in
-    a step of 1, 8, 9 or 40 rows (an LM head in a padded compiled step gives the eager step's logits)."""
+    a step of 1, 4, 5, 8, 9 or 40 rows (an LM head in a padded compiled step gives the eager step's logits; up to 4
+    rows the kernel runs without a branch, above with one)."""
     gen = torch.Generator().manual_seed(5)
     weight = packed_int.pack(_blocks(8, 64, 576, gen))
     x = torch.randn(40, 576, generator=gen)
     x[:, [3, 200]] = 30.0
     alone = packed_int.packed_linear(x[:1], [weight], fp32_out=True)
-    for rows in (8, 9, 40):
+    for rows in (4, 5, 8, 9, 40):
         assert torch.equal(packed_int.packed_linear(x[:rows], [weight], fp32_out=True)[:1], alone)
 
 

@@ -67,14 +67,15 @@ constexpr int64_t F8_RECORD = 576;
 constexpr int64_t PREFETCH_AHEAD = 4608;  // bytes: records are requested this far ahead of the one in use
 
 // Q4, Q8: 4-bit / 8-bit weights, activations in one int8 term but two in each row's heavy blocks; Q4R: two
-// terms everywhere (few rows).
-enum class Kind { Q4, Q4R, Q8, F8 };
+// terms everywhere (few rows); Q8R: Q8's products without a branch (few rows).
+enum class Kind { Q4, Q4R, Q8, Q8R, F8 };
 
 constexpr int64_t RESIDUAL_MAX_ROWS = 8;  // up to here 4-bit products take the residual term (memory-bound)
+constexpr int64_t BRANCHLESS_MAX_ROWS = 4;  // up to here 8-bit products run both terms and keep one by a mask
 constexpr double HEAVY_FACTOR = 3.0;  // above RESIDUAL_MAX_ROWS, blocks this far above a row's mean take it too
 
 constexpr int64_t record_bytes(Kind kind) {
-  return kind == Kind::Q4 || kind == Kind::Q4R ? Q4_RECORD : kind == Kind::Q8 ? Q8_RECORD : F8_RECORD;
+  return kind == Kind::Q4 || kind == Kind::Q4R ? Q4_RECORD : kind == Kind::F8 ? F8_RECORD : Q8_RECORD;
 }
 
 constexpr int MR = 8;               // activation rows per pass over a tile's blocks, at most
@@ -240,11 +241,16 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
 }
 
 // As q4_tile with SELECTIVE, for 8-bit weights: unsigned activation codes (int8 + 128) times signed weights,
-// corrected by 128 * sum(q) per weight row; two terms 254 * S1 + S2 in the row's heavy blocks.
-template <int ROWS>
+// corrected by 128 * sum(q) per weight row; two terms 254 * S1 + S2 in the row's heavy blocks. BRANCHLESS (few
+// rows, memory-bound): every block computes both terms and keeps the second's by a mask, the same result bit for
+// bit as the branch, which cost decode a third of its bandwidth (docs/performance.md).
+template <int ROWS, bool BRANCHLESS>
 void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
   const QuantizedRows& a = *acts.q;
   const int64_t K = acts.K;
+  const int8_t* codes = a.codes.data();
+  const float* scale = a.scale.data();
+  const uint8_t* heavy = a.heavy.data();
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* rec = tile + b * Q8_RECORD;
@@ -256,9 +262,10 @@ void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
         _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 544))), 7);
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = 2 * (m0 + r);  // the row's first term; its residual follows it
-      const int32_t* x1 = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * BLOCK);
+      const int32_t* x1 = reinterpret_cast<const int32_t*>(codes + row * K + b * BLOCK);
       const int64_t ib1 = row * KB + b;
-      if (a.heavy[size_t((m0 + r) * KB + b)]) {
+      const bool h = heavy[size_t((m0 + r) * KB + b)];
+      if (BRANCHLESS || h) {
         const int32_t* x2 = x1 + K / 4;
         __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j) {  // unsigned activations, signed weights
@@ -268,7 +275,8 @@ void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
         s1 = _mm512_sub_epi32(s1, correction);
         s2 = _mm512_sub_epi32(s2, correction);
         const __m512i both = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s1, 8), _mm512_slli_epi32(s1, 1)), s2);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib1 + KB)])),
+        const __m512i kept = BRANCHLESS ? _mm512_mask_blend_epi32(__mmask16(-int(h)), s1, both) : both;
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(kept), _mm512_mul_ps(d, _mm512_set1_ps(scale[size_t(ib1 + KB * h)])),
                                  acc[r]);
       } else {
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -277,7 +285,7 @@ void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
           s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x1[j + 1]), w[j + 1]);
         }
         const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), correction);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib1)])),
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(scale[size_t(ib1)])),
                                  acc[r]);
       }
     }
@@ -347,7 +355,8 @@ template <int ROWS, Kind KIND>
 void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc) {
   if constexpr (KIND == Kind::Q4) q4_tile<ROWS, true>(tile, KB, a, m0, acc);
   else if constexpr (KIND == Kind::Q4R) q4_tile<ROWS, false>(tile, KB, a, m0, acc);
-  else if constexpr (KIND == Kind::Q8) q8_tile<ROWS>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::Q8) q8_tile<ROWS, false>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::Q8R) q8_tile<ROWS, true>(tile, KB, a, m0, acc);
 #ifdef FW_PACKED_F8
   else f8_tile<ROWS>(tile, KB, a, m0, acc);
 #endif
@@ -437,7 +446,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
-  const Kind run_kind = kind == Kind::Q4 && M <= RESIDUAL_MAX_ROWS ? Kind::Q4R : kind;
+  const Kind run_kind = kind == Kind::Q4 && M <= RESIDUAL_MAX_ROWS ? Kind::Q4R
+                        : kind == Kind::Q8 && M <= BRANCHLESS_MAX_ROWS ? Kind::Q8R : kind;
   thread_local QuantizedRows q;  // reused: a decode step calls this ~120 times with the same sizes
   thread_local std::vector<uint16_t> rounded;
   Acts a;
@@ -449,7 +459,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
     if (x.scalar_type() == at::kFloat)
       quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, q);
     else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, q);
-    if (run_kind == Kind::Q4 || run_kind == Kind::Q8) {
+    if (run_kind == Kind::Q4 || run_kind == Kind::Q8 || run_kind == Kind::Q8R) {
       const double* whole = nullptr;
       if (whole_row_squares.has_value()) {
         const at::Tensor& t = *whole_row_squares;
@@ -466,6 +476,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   if (run_kind == Kind::Q4R) run<Kind::Q4R>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (run_kind == Kind::Q8R) run<Kind::Q8R>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
   else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());
