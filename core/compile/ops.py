@@ -13,9 +13,9 @@
 * `fw_packed::linear(x, index, out_features)`: a dense linear on a weight
   in oneDNN's packed layout, from the running model's table of them
   (packed_linear.cpp says why).
-* fw's fused CPU ops (`fw_cpu_ops::*`, fw.kernels.cpu_ops) get fake
-  implementations, so they enter the graph as opaque calls instead of
-  breaking it.
+* fw's CPU kernels (fw.kernels: `fw_cpu_ops::*`, `fw_dense::*`,
+  `fw_packed_int::*`) register their fake implementations as they load, so
+  they enter the graph as opaque calls instead of breaking it.
 """
 
 from __future__ import annotations
@@ -102,47 +102,15 @@ def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer
 
 
 _lock = threading.Lock()
-_fused_faked = False
-_dense_faked = False
-_packed_int_faked = False
 _packed_ready = False
 
 
 def register_fused_cpu_fakes() -> None:
-    """Fake (shape-only) kernels for fw.kernels.cpu_ops, fw.kernels.dense's bf16 matmul and fw.kernels.packed_int,
-    once they are built: each cpu_ops op writes into an argument and returns nothing, so its fake does nothing."""
-    global _fused_faked, _dense_faked, _packed_int_faked
-    with _lock:
-        if not _fused_faked and cpu_ops.ready():
-            for name in _FUSED_CPU_OPS:
-                torch.library.register_fake(f"fw_cpu_ops::{name}")(_no_output)
-            _fused_faked = True
-        if not _dense_faked and dense.bf16_kernel_ready():
-            torch.library.register_fake("fw_dense::linear_bf16")(_dense_bf16_fake)
-            torch.library.register_fake("fw_dense::linear_bf16_gated")(_dense_gate_up_fake)
-            _dense_faked = True
-        if not _packed_int_faked and packed_int.ready():
-            for name in ("linear_q4", "linear_q8", "linear_f8"):
-                torch.library.register_fake(f"fw_packed_int::{name}")(_packed_int_fake)
-            _packed_int_faked = True
-
-
-def _dense_bf16_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     fp32_out: bool = False) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
-
-
-def _packed_int_fake(x: torch.Tensor, weight: torch.Tensor, rows: int, fp32_out: bool = False,
-                     whole_row_squares: torch.Tensor | None = None, whole_row_blocks: int = 0) -> torch.Tensor:
-    return x.new_empty(x.shape[0], rows, dtype=torch.float32 if fp32_out else x.dtype)
-
-
-def _dense_gate_up_fake(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[1] * (1 if silu else 2))
-
-
-def _no_output(*args: Any, **kwargs: Any) -> None:
-    return None
+    """Make sure fw's CPU kernels that a model can use are loaded: each kernel module (fw.kernels) registers its
+    ops' shape-only kernels as it loads them, so a compiled step traces them as opaque calls."""
+    cpu_ops.ready()
+    dense.bf16_kernel_ready()
+    packed_int.ready()
 
 
 def load_packed_linear() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fw import env
-from fw.kernels.loader import DEFAULT_CFLAGS, try_load_cpp_ops
+from fw.kernels.loader import DEFAULT_CFLAGS, register_fake, try_load_cpp_ops
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def prepare(device: torch.device | str) -> str | None:
         for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax"):
             # the resolved overload: calling the packet resolves it again on every call (docs/performance.md)
             _op[name] = getattr(torch.ops.fw_cpu_ops, name).default
+            register_fake(f"fw_cpu_ops::{name}", _no_output)  # each op writes into an argument, returns nothing
         _ready = True
         return None
     logger.warning("fused CPU layer ops unavailable (%s); using torch ops, which are slower", why)
@@ -94,3 +95,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.long)
     _op["argmax"](x, out)
     return out
+
+
+def _no_output(*args, **kwargs) -> None:
+    return None

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fw import env
-from fw.kernels.loader import DEFAULT_CFLAGS, try_load_cpp_ops
+from fw.kernels.loader import DEFAULT_CFLAGS, register_fake, try_load_cpp_ops
 from fw.kernels import weight_arena
 from fw.kernels.hardware import this_cpu_flags
 
@@ -79,7 +79,18 @@ def bf16_kernel_ready() -> bool:
         _bf16_state = bool(torch.ops.fw_dense.available())
         _bf16_linear = torch.ops.fw_dense.linear_bf16.default
         _bf16_gated = torch.ops.fw_dense.linear_bf16_gated.default
+        register_fake("fw_dense::linear_bf16", _linear_fake)
+        register_fake("fw_dense::linear_bf16_gated", _gate_up_fake)
     return _bf16_state
+
+
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 fp32_out: bool = False) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
+
+
+def _gate_up_fake(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1] * (1 if silu else 2))
 
 
 def prepare(device: torch.device | str, dtype: torch.dtype) -> None:

@@ -27,7 +27,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -211,3 +211,14 @@ def _build_and_load(name: str, key: str, text: str, source_name: str, cflags: tu
         os.replace(work / library.name, library)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+_faked: set[str] = set()
+
+
+def register_fake(op: str, fake: Callable[..., object]) -> None:
+    """Give a loaded library's op (`namespace::name`) its shape-only kernel, once per process: torch.compile traces
+    fw's kernels as opaque calls through these (a second registration would be an error)."""
+    if op not in _faked:
+        torch.library.register_fake(op)(fake)
+        _faked.add(op)

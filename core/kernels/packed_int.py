@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from fw import env
-from fw.kernels.loader import DEFAULT_CFLAGS, try_load_cpp_ops
+from fw.kernels.loader import DEFAULT_CFLAGS, register_fake, try_load_cpp_ops
 from fw.kernels import weight_arena
 from fw.kernels.hardware import this_cpu_flags
 
@@ -115,7 +115,14 @@ def ready() -> bool:
         _f8_state = _state and bool(torch.ops.fw_packed_int.f8_available())
         ops = torch.ops.fw_packed_int  # the resolved overloads: the op packet resolves them on every call
         _OPS.update({4: ops.linear_q4.default, 8: ops.linear_q8.default, "f8": ops.linear_f8.default})
+        for name in ("linear_q4", "linear_q8", "linear_f8"):
+            register_fake(f"fw_packed_int::{name}", _linear_fake)
     return _state
+
+
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, rows: int, fp32_out: bool = False,
+                 whole_row_squares: torch.Tensor | None = None, whole_row_blocks: int = 0) -> torch.Tensor:
+    return x.new_empty(x.shape[0], rows, dtype=torch.float32 if fp32_out else x.dtype)
 
 
 def applies(device: torch.device | str, cols: int, fp8: bool = False) -> bool:
