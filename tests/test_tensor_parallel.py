@@ -123,6 +123,48 @@ def test_heads_that_do_not_divide_split_unevenly_by_kv_group(tmp_path, tokenizer
         two.engine.cluster.close()
 
 
+def test_one_kv_head_is_replicated_on_both_ranks(tmp_path, tokenizer):
+    """MQA (4 query heads, 1 KV head) at TP=2, vLLM's layout: each rank computes 2 query heads and the one KV
+    head, whose k/v rows both ranks load; each rank's KV cache holds that head, as large as one process's,
+    so the same --kv-cache-memory gives the same pages."""
+    import tiny_models
+    from fw.commands.bench.parallel import footprint
+
+    spec = tiny_models.TinySpec("mqa", hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                num_hidden_layers=2, intermediate_size=128, rope_theta=10000.0,
+                                tie_word_embeddings=True, seed=4)
+    path = tiny_models.build_model(spec, tokenizer, tmp_path / "mqa")
+    one = make_llm(path, **LAYOUT)
+    two = make_llm(path, tensor_parallel_size=2, **LAYOUT)
+    try:
+        attn = two.engine.loaded.model.model.layers[0].self_attn
+        assert (attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1)
+        assert attn.qkv_proj.slices == [(0, 32), (0, 16), (0, 16)]
+        assert footprint(two.engine)["kv_bytes_per_page"] == footprint(one.engine)["kv_bytes_per_page"]
+        assert two.engine.stats()["num_kv_blocks"] == one.engine.stats()["num_kv_blocks"]
+        assert_same(greedy(one), greedy(two))
+    finally:
+        two.engine.cluster.close()
+
+
+def test_two_kv_heads_at_tp4_each_replicated_on_two_ranks(gqa_dir):
+    """4 query and 2 KV heads at TP=4 (refused before KV heads were replicated): ranks 0 and 1 hold KV head 0,
+    ranks 2 and 3 KV head 1, one query head each; a rank's KV page is half of one process's."""
+    from fw.commands.bench.parallel import footprint
+
+    one = make_llm(gqa_dir, **LAYOUT)
+    four = make_llm(gqa_dir, tensor_parallel_size=4, **LAYOUT)
+    try:
+        attn = four.engine.loaded.model.model.layers[0].self_attn
+        assert (attn.attn.num_heads, attn.attn.num_kv_heads) == (1, 1)
+        assert footprint(four.engine)["kv_bytes_per_page"] * 2 == footprint(one.engine)["kv_bytes_per_page"]
+        assert_same(greedy(one), greedy(four))
+    finally:
+        procs = list(four.engine.cluster.procs.values())
+        four.engine.cluster.close()
+    assert len(procs) == 3 and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
 def test_a_gguf_model_kept_packed_splits_between_blocks_and_matches_one_process(tmp_path, tokenizer, monkeypatch):
     """Q4_1 linears (Q8_0 down projections) stay packed on both ranks: column-parallel layers take their
     rows, row-parallel ones their whole blocks of input columns. A K-quant's 256-wide blocks cannot be
@@ -191,11 +233,15 @@ def test_a_gguf_model_on_the_packed_kernels_at_tp2_sums_row_statistics_over_the_
 # -- refusals: before any process starts ---------------------------------------------------------
 
 
-def test_heads_that_do_not_divide_are_refused_naming_both_counts(gqa_dir):
+@pytest.mark.parametrize("tp", [3, 8])
+def test_heads_that_cannot_split_are_refused_naming_both_counts(gqa_dir, tp):
+    """4 query and 2 KV heads: 3 ranks would give a rank query heads of two KV heads; 8 would leave ranks
+    without a query head."""
     start = time.monotonic()
     with pytest.raises(UnsupportedConfigurationError,
-                       match=r"--tensor-parallel-size 4: the model has 4 attention heads and 2 KV heads"):
-        make_llm(gqa_dir, tensor_parallel_size=4)
+                       match=rf"--tensor-parallel-size {tp}: the model has 4 attention heads and 2 KV heads.*"
+                             rf"a multiple of 2 up to 4"):
+        make_llm(gqa_dir, tensor_parallel_size=tp)
     assert time.monotonic() - start < 5  # refused from config.json, no worker spawned
 
 
@@ -209,13 +255,28 @@ def test_the_shared_layers_refuse_and_split_on_their_own():
     from fw.distributed.group import CONTEXT_KEY, TensorParallel
 
     ctx = ModelContext(torch.float32, torch.device("cpu"), object, extra={CONTEXT_KEY: TensorParallel(1, 2)})
-    with pytest.raises(UnsupportedConfigurationError, match=r"4 attention heads and 1 KV heads"):
-        SelfAttention(48, 4, 1, 12, ctx, "model.layers.0.self_attn")
+    with pytest.raises(UnsupportedConfigurationError, match=r"1 attention heads and 1 KV heads"):
+        SelfAttention(8, 1, 1, 8, ctx, "model.layers.0.self_attn")  # rank 1 would have no query head
+    three = ModelContext(torch.float32, torch.device("cpu"), object, extra={CONTEXT_KEY: TensorParallel(0, 3)})
+    with pytest.raises(UnsupportedConfigurationError, match=r"size 3: the model has 4 attention heads and 2 KV"):
+        SelfAttention(48, 4, 2, 12, three, "model.layers.0.self_attn")  # rank 1 would read both KV heads
     backend = type("Unused", (), {"__init__": lambda self, *args, **kwargs: None})
     ctx_with_backend = ModelContext(torch.float32, torch.device("cpu"), backend, extra=ctx.extra)
     uneven = SelfAttention(48, 6, 3, 8, ctx_with_backend, "model.layers.0.self_attn")  # 3 KV groups: rank 1 has 1
     assert uneven.qkv_proj.slices == [(32, 16), (16, 8), (16, 8)] and uneven.o_proj.input_start == 32
     assert (uneven.attn.num_heads, uneven.attn.num_kv_heads, uneven.o_proj.input_size) == (2, 1, 16)
+    mqa = SelfAttention(48, 4, 1, 12, ctx_with_backend, "model.layers.0.self_attn")  # the KV head on both ranks
+    assert mqa.qkv_proj.slices == [(24, 24), (0, 12), (0, 12)] and mqa.o_proj.input_start == 24
+    assert (mqa.attn.num_heads, mqa.attn.num_kv_heads) == (2, 1)
+    fused = torch.arange(72.0 * 48).view(72, 48)  # [q; k; v] already fused in the checkpoint: 48 + 12 + 12 rows
+    mqa.qkv_proj.load_weight("weight", fused)
+    assert torch.equal(mqa.qkv_proj.weight, torch.cat([fused[24:48], fused[48:60], fused[60:72]]))
+    rank = lambda r, tp: ModelContext(torch.float32, torch.device("cpu"), backend,  # noqa: E731
+                                      extra={CONTEXT_KEY: TensorParallel(r, tp)})
+    # 6 query heads, 2 KV heads, 4 ranks: two ranks per KV head deal its 3 query heads out as 2 + 1
+    layouts = [SelfAttention(48, 6, 2, 8, rank(r, 4), "a").qkv_proj.slices for r in range(4)]
+    assert layouts == [[(0, 16), (0, 8), (0, 8)], [(16, 8), (0, 8), (0, 8)],
+                       [(24, 16), (8, 8), (8, 8)], [(40, 8), (8, 8), (8, 8)]]
     column = ColumnParallelLinear(8, [6, 2], ctx, "qkv")
     full = torch.arange(64.0).view(8, 8)
     column.load_weight("weight", full[:6], 0)

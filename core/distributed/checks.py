@@ -11,7 +11,7 @@ from torch import nn
 
 from fw.config import EngineConfig
 from fw.errors import ConfigError, UnsupportedConfigurationError
-from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear, split_heads
 from fw.model.config import ModelConfig
 
 
@@ -59,11 +59,8 @@ def check_config(config: EngineConfig, hf_config, arch, source_kind: str = "dire
                           f"across ranks so far; use a dense checkpoint or --tensor-parallel-size 1")
     heads = getattr(hf_config, "num_attention_heads", None)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    if heads and (heads % tp or kv_heads % tp) and (kv_heads < tp or heads % kv_heads):
-        raise _refuse(tp, f"the model has {heads} attention heads and {kv_heads} KV heads; fw splits attention by "
-                          f"heads, or unevenly by KV group (a KV head and its query heads) when every rank gets one, "
-                          f"and replicating KV heads is not done; choose a size that divides both or one of at most "
-                          f"{kv_heads}")
+    if heads:  # the refusal SelfAttention would give after a model load, given now
+        split_heads(heads, kv_heads, tp, 0)
     inter = getattr(hf_config, "intermediate_size", None)
     if isinstance(inter, int) and inter % tp:
         raise _refuse(tp, f"the model's MLP has {inter} intermediate features, which do not divide by {tp}")

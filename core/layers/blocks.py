@@ -28,7 +28,7 @@ from fw.errors import UnsupportedConfigurationError
 from fw.layers.attention import Attention
 from fw.layers.context import ModelContext
 from fw.layers.norm import RMSNorm
-from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear, deal
+from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear, split_heads
 from fw.kernels import cpu_ops
 from fw.layers.rotary import RotaryEmbedding, rotate_heads_
 from fw.model.config import as_model_config
@@ -63,7 +63,9 @@ class SelfAttention(nn.Module):
     num_kv_heads / tp KV heads, their q/k/v columns and o_proj rows; o_proj sums over the ranks.
     Where the heads do not divide but the KV heads are at least as many as the ranks, the KV groups
     (a KV head and the query heads that read it) are dealt out unevenly: SmolLM2's 9 query and 3 KV
-    heads at tp 2 give rank 0 two groups (6 + 2 heads) and rank 1 one (3 + 1)."""
+    heads at tp 2 give rank 0 two groups (6 + 2 heads) and rank 1 one (3 + 1). With fewer KV heads than ranks
+    each KV head is replicated on the ranks that share it and each rank computes its own query heads of that
+    head's group (4 query heads and 1 KV head at tp 2: 2 + 1 each). `fw.layers.parallel.split_heads`."""
 
     def __init__(
         self,
@@ -87,24 +89,15 @@ class SelfAttention(nn.Module):
         super().__init__()
         group = tensor_parallel_of(ctx)
         tp = group.size
-        slices = None  # an even split by heads
-        if num_heads % tp or num_kv_heads % tp:
-            if num_kv_heads < tp or num_heads % num_kv_heads:
-                raise UnsupportedConfigurationError(
-                    f"--tensor-parallel-size {tp}: the model has {num_heads} attention heads and {num_kv_heads} KV "
-                    f"heads; fw splits attention by heads, or unevenly by KV group (a KV head and its query heads) "
-                    f"when every rank gets one, and replicating KV heads is not done; choose a size that divides "
-                    f"both or one of at most {num_kv_heads}")
-            first, groups = deal(num_kv_heads, tp, group.rank)
-            per = num_heads // num_kv_heads
-            q_part, kv_part = (first * per * head_dim, groups * per * head_dim), (first * head_dim, groups * head_dim)
-            slices = [q_part, kv_part, kv_part]
+        (q_first, q_heads), (kv_first, kv_heads) = split_heads(num_heads, num_kv_heads, tp, group.rank)
+        q_part, kv_part = (q_first * head_dim, q_heads * head_dim), (kv_first * head_dim, kv_heads * head_dim)
+        slices = [q_part, kv_part, kv_part]  # this rank's rows of q, k and v (its KV head's, when replicated)
         self.head_dim = head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = ColumnParallelLinear(hidden_size, [q_size, kv_size, kv_size], ctx, f"{prefix}.qkv_proj",
                                              bias=qkv_bias, slices=slices)
         self.o_proj = RowParallelLinear(q_size, hidden_size, ctx, f"{prefix}.o_proj", bias=o_bias,
-                                        input_slice=slices[0] if slices else None)
+                                        input_slice=q_part)
         self.q_size, self.kv_size = self.qkv_proj.output_sizes[0], self.qkv_proj.output_sizes[1]  # this rank's
         num_heads, num_kv_heads = self.q_size // head_dim, self.kv_size // head_dim
         self.q_norm = self.k_norm = None

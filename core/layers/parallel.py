@@ -35,6 +35,10 @@ def _check_dense(layer: Linear) -> None:
             f"(bf16/fp32) checkpoint, or use --tensor-parallel-size 1")
 
 
+def _rows(tensor: torch.Tensor | GGUFWeight, start: int, length: int) -> torch.Tensor | GGUFWeight:
+    return tensor.narrow_rows(start, length) if isinstance(tensor, GGUFWeight) else tensor.narrow(0, start, length)
+
+
 def split_evenly(total: int, ranks: int, what: str, prefix: str) -> int:
     """`total / ranks`, or the refusal that names --tensor-parallel-size, the layer and what does not divide."""
     if total % ranks:
@@ -52,6 +56,32 @@ def deal(units: int, ranks: int, rank: int) -> tuple[int, int]:
     return rank * base + min(rank, extra), base + (rank < extra)
 
 
+def split_heads(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((first query head, count), (first KV head, count)) of `rank` among `tp`, in heads, or the refusal that
+    names both counts. Three layouts, tried in turn: an even split by heads; KV groups (a KV head and the query
+    heads that read it) dealt out unevenly when there are at least as many KV heads as ranks; and, with fewer KV
+    heads than ranks (vLLM's layout), each KV head replicated on the tp / num_kv_heads ranks that share it, which
+    deal out its group's query heads among themselves (evenly when they divide, else the extra to the lowest)."""
+    if num_heads % tp == 0 and num_kv_heads % tp == 0:
+        q, kv = num_heads // tp, num_kv_heads // tp
+        return (rank * q, q), (rank * kv, kv)
+    per = num_heads // num_kv_heads if num_heads % num_kv_heads == 0 else 0  # query heads per KV head
+    if per and num_kv_heads >= tp:
+        first, groups = deal(num_kv_heads, tp, rank)
+        return (first * per, groups * per), (first, groups)
+    if per and tp % num_kv_heads == 0 and tp <= num_heads:
+        sharing = tp // num_kv_heads  # ranks that hold the same KV head
+        kv_head = rank // sharing
+        first, count = deal(per, sharing, rank % sharing)
+        return (kv_head * per + first, count), (kv_head, 1)
+    raise UnsupportedConfigurationError(
+        f"--tensor-parallel-size {tp}: the model has {num_heads} attention heads and {num_kv_heads} KV heads; fw "
+        f"splits attention by heads, unevenly by KV group (a KV head and its query heads) when every rank gets one, "
+        f"or with each KV head replicated on the ranks that share it when the size is a multiple of the KV heads "
+        f"and every rank gets a query head; choose a size of at most {num_kv_heads}, or a multiple of "
+        f"{num_kv_heads} up to {num_heads}")
+
+
 class ColumnParallelLinear(Linear):
     """Each rank holds rows [rank*n, (rank+1)*n) of every fused output shard (so a fused q/k/v
     keeps q, k and v contiguous on each rank), or the rows `slices` gives per shard ((start,
@@ -66,14 +96,19 @@ class ColumnParallelLinear(Linear):
             local = [split_evenly(s, tp.size, "output features", prefix) for s in sizes]
             slices = [(tp.rank * n, n) for n in local]
         super().__init__(input_size, [length for _, length in slices], ctx, prefix, bias)
-        self.tp, self.slices = tp, slices
+        self.tp, self.slices, self.whole_sizes = tp, slices, sizes
         _check_dense(self)
 
     def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if self.tp.size > 1 and shard is None and len(self.slices) > 1:  # already fused: each shard its own rows
+            offsets = [sum(self.whole_sizes[:i]) for i in range(len(self.whole_sizes))]
+            for i, (offset, size) in enumerate(zip(offsets, self.whole_sizes)):
+                self.load_weight(param_name, _rows(tensor, offset, size), i)
+            return
         if self.tp.size > 1:
             size = self.output_size if shard is None else self.output_sizes[shard]
-            start = self.tp.rank * size if shard is None else self.slices[shard][0]
-            tensor = tensor.narrow_rows(start, size) if isinstance(tensor, GGUFWeight) else tensor.narrow(0, start, size)
+            start = self.slices[0][0] if shard is None else self.slices[shard][0]
+            tensor = _rows(tensor, start, size)
         super().load_weight(param_name, tensor, shard)
 
 
