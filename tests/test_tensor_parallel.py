@@ -123,14 +123,15 @@ def test_heads_that_do_not_divide_split_unevenly_by_kv_group(tmp_path, tokenizer
         two.engine.cluster.close()
 
 
-def test_one_kv_head_is_replicated_on_both_ranks(tmp_path, tokenizer):
-    """MQA (4 query heads, 1 KV head) at TP=2, vLLM's layout: each rank computes 2 query heads and the one KV
-    head, whose k/v rows both ranks load; each rank's KV cache holds that head, as large as one process's,
-    so the same --kv-cache-memory gives the same pages."""
+@pytest.mark.parametrize("heads, hidden", [(4, 64), (3, 48)])
+def test_one_kv_head_is_replicated_on_both_ranks(tmp_path, tokenizer, heads, hidden):
+    """MQA (1 KV head) at TP=2, vLLM's layout: each rank computes its query heads (2 + 2, or 2 + 1 when they do
+    not divide) and the one KV head, whose k/v rows both ranks load; each rank's KV cache holds that head, as
+    large as one process's, so the same --kv-cache-memory gives the same pages."""
     import tiny_models
     from fw.commands.bench.parallel import footprint
 
-    spec = tiny_models.TinySpec("mqa", hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+    spec = tiny_models.TinySpec("mqa", hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=1,
                                 num_hidden_layers=2, intermediate_size=128, rope_theta=10000.0,
                                 tie_word_embeddings=True, seed=4)
     path = tiny_models.build_model(spec, tokenizer, tmp_path / "mqa")
@@ -138,8 +139,8 @@ def test_one_kv_head_is_replicated_on_both_ranks(tmp_path, tokenizer):
     two = make_llm(path, tensor_parallel_size=2, **LAYOUT)
     try:
         attn = two.engine.loaded.model.model.layers[0].self_attn
-        assert (attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1)
-        assert attn.qkv_proj.slices == [(0, 32), (0, 16), (0, 16)]
+        assert (attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1)  # rank 0's: 16-wide heads
+        assert attn.qkv_proj.slices == [(0, 32), (0, 16), (0, 16)] and attn.o_proj.input_size == 32
         assert footprint(two.engine)["kv_bytes_per_page"] == footprint(one.engine)["kv_bytes_per_page"]
         assert two.engine.stats()["num_kv_blocks"] == one.engine.stats()["num_kv_blocks"]
         assert_same(greedy(one), greedy(two))
@@ -195,6 +196,30 @@ def test_a_gguf_model_kept_packed_splits_between_blocks_and_matches_one_process(
     with pytest.raises((UnsupportedConfigurationError, DistributedError),
                        match=r"128 input features are not a whole number of Q4_K blocks \(256 weights each\)"):
         make_llm(k_quant.path, tensor_parallel_size=2, **options)
+
+
+def test_a_gguf_model_kept_packed_replicates_its_kv_head(tmp_path, tokenizer, monkeypatch):
+    """The same Q4_1 model with one KV head (MQA) at TP=2: both ranks take the packed k/v rows of that head
+    (llama.cpp's q/k row order undone first), each its 2 query heads and 128 whole-block input columns of
+    o_proj; tokens and logprobs as one process's on the gguf method's reference path."""
+    from gguf import GGMLQuantizationType as T
+
+    import gguf_models
+
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
+    monkeypatch.setattr(gguf_models, "KV_HEADS", 1)
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    case = gguf_models.write_tiny_llama_gguf(tmp_path / "mqa.gguf", T.Q4_1, tokenizer,
+                                             overrides={"mlp.down_proj": T.Q8_0})
+    options = {"tokenizer": str(tmp_path / "tokenizer"), "gguf_dequantize_at_load": False, **LAYOUT}
+    one = make_llm(case.path, **options)
+    two = make_llm(case.path, tensor_parallel_size=2, **options)
+    try:
+        attn = two.engine.loaded.model.model.layers[0].self_attn
+        assert attn.qkv_proj.weight.dtype == torch.uint8 and (attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1)
+        assert_same(greedy(one), greedy(two))
+    finally:
+        two.engine.cluster.close()
 
 
 def test_a_gguf_model_on_the_packed_kernels_at_tp2_sums_row_statistics_over_the_ranks(tmp_path, tokenizer):
