@@ -166,6 +166,19 @@ def test_two_kv_heads_at_tp4_each_replicated_on_two_ranks(gqa_dir):
     assert len(procs) == 3 and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
+def packed_q4_1(tmp_path, tokenizer):
+    """The GGUF tests' tiny Llama with Q4_1 linears (Q8_0 down projections, gguf_models' head counts as they are
+    now) and the options that keep it packed."""
+    from gguf import GGMLQuantizationType as T
+
+    import gguf_models
+
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    case = gguf_models.write_tiny_llama_gguf(tmp_path / "q4_1.gguf", T.Q4_1, tokenizer,
+                                             overrides={"mlp.down_proj": T.Q8_0})
+    return case, {"tokenizer": str(tmp_path / "tokenizer"), "gguf_dequantize_at_load": False, **LAYOUT}
+
+
 def test_a_gguf_model_kept_packed_splits_between_blocks_and_matches_one_process(tmp_path, tokenizer, monkeypatch):
     """Q4_1 linears (Q8_0 down projections) stay packed on both ranks: column-parallel layers take their
     rows, row-parallel ones their whole blocks of input columns. A K-quant's 256-wide blocks cannot be
@@ -179,10 +192,7 @@ def test_a_gguf_model_kept_packed_splits_between_blocks_and_matches_one_process(
     import gguf_models
 
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
-    tokenizer.save_pretrained(tmp_path / "tokenizer")
-    case = gguf_models.write_tiny_llama_gguf(tmp_path / "q4_1.gguf", T.Q4_1, tokenizer,
-                                             overrides={"mlp.down_proj": T.Q8_0})
-    options = {"tokenizer": str(tmp_path / "tokenizer"), "gguf_dequantize_at_load": False, **LAYOUT}
+    case, options = packed_q4_1(tmp_path, tokenizer)
     one = make_llm(case.path, **options)
     two = make_llm(case.path, tensor_parallel_size=2, **options)
     try:
@@ -202,16 +212,11 @@ def test_a_gguf_model_kept_packed_replicates_its_kv_head(tmp_path, tokenizer, mo
     """The same Q4_1 model with one KV head (MQA) at TP=2: both ranks take the packed k/v rows of that head
     (llama.cpp's q/k row order undone first), each its 2 query heads and 128 whole-block input columns of
     o_proj; tokens and logprobs as one process's on the gguf method's reference path."""
-    from gguf import GGMLQuantizationType as T
-
     import gguf_models
 
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
     monkeypatch.setattr(gguf_models, "KV_HEADS", 1)
-    tokenizer.save_pretrained(tmp_path / "tokenizer")
-    case = gguf_models.write_tiny_llama_gguf(tmp_path / "mqa.gguf", T.Q4_1, tokenizer,
-                                             overrides={"mlp.down_proj": T.Q8_0})
-    options = {"tokenizer": str(tmp_path / "tokenizer"), "gguf_dequantize_at_load": False, **LAYOUT}
+    case, options = packed_q4_1(tmp_path, tokenizer)
     one = make_llm(case.path, **options)
     two = make_llm(case.path, tensor_parallel_size=2, **options)
     try:
@@ -228,16 +233,11 @@ def test_a_gguf_model_on_the_packed_kernels_at_tp2_sums_row_statistics_over_the_
     other waiting for --dist-timeout). Tokens as one process's, up to a flip at a near tie: the row-parallel
     sums still add in another fp32 order, which int8 activations can turn into a flip (docs/distributed.md;
     this model parts from TP=1 on one prompt at a 0.016-nat tie)."""
-    from gguf import GGMLQuantizationType as T
-
     import gguf_models
     from fw.layers.parallel import WholeRows
     from test_compile import assert_same_or_near_tie
 
-    tokenizer.save_pretrained(tmp_path / "tokenizer")
-    case = gguf_models.write_tiny_llama_gguf(tmp_path / "q4_1.gguf", T.Q4_1, tokenizer,
-                                             overrides={"mlp.down_proj": T.Q8_0})
-    options = {"tokenizer": str(tmp_path / "tokenizer"), "gguf_dequantize_at_load": False, **LAYOUT}
+    case, options = packed_q4_1(tmp_path, tokenizer)
     want = greedy(make_llm(case.path, **options))
     two = make_llm(case.path, tensor_parallel_size=2, dist_timeout=20, **options)
     try:
