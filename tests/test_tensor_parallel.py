@@ -105,17 +105,21 @@ def test_tp2_matches_under_forced_preemption(gqa_dir):
         two.engine.cluster.close()
 
 
+def heads_pair(tmp_path, tokenizer, *, hidden: int, heads: int, kv_heads: int, seed: int):
+    """(one-process engine, two-process engine) on a tiny 2-layer Llama with these attention heads."""
+    import tiny_models
+
+    spec = tiny_models.TinySpec(f"heads{heads}_{kv_heads}", hidden_size=hidden, num_attention_heads=heads,
+                                num_key_value_heads=kv_heads, num_hidden_layers=2, intermediate_size=128,
+                                rope_theta=10000.0, tie_word_embeddings=True, seed=seed)
+    path = tiny_models.build_model(spec, tokenizer, tmp_path / spec.name)
+    return make_llm(path, **LAYOUT), make_llm(path, tensor_parallel_size=2, **LAYOUT)
+
+
 def test_heads_that_do_not_divide_split_unevenly_by_kv_group(tmp_path, tokenizer):
     """6 query and 3 KV heads at TP=2 (SmolLM2's 9/3 in small): rank 0 computes two KV groups (4 + 2 heads),
     rank 1 one (2 + 1); its KV pages are the smaller, so rank 0's page count fits both."""
-    import tiny_models
-
-    spec = tiny_models.TinySpec("uneven", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
-                                num_hidden_layers=2, intermediate_size=128, rope_theta=10000.0,
-                                tie_word_embeddings=True, seed=3)
-    path = tiny_models.build_model(spec, tokenizer, tmp_path / "uneven")
-    one = make_llm(path, **LAYOUT)
-    two = make_llm(path, tensor_parallel_size=2, **LAYOUT)
+    one, two = heads_pair(tmp_path, tokenizer, hidden=96, heads=6, kv_heads=3, seed=3)
     try:
         assert (two.engine.runner.layers[0].num_heads, two.engine.runner.layers[0].num_kv_heads) == (4, 2)
         assert_same(greedy(one), greedy(two))
@@ -128,15 +132,9 @@ def test_one_kv_head_is_replicated_on_both_ranks(tmp_path, tokenizer, heads, hid
     """MQA (1 KV head) at TP=2, vLLM's layout: each rank computes its query heads (2 + 2, or 2 + 1 when they do
     not divide) and the one KV head, whose k/v rows both ranks load; each rank's KV cache holds that head, as
     large as one process's, so the same --kv-cache-memory gives the same pages."""
-    import tiny_models
     from fw.commands.bench.parallel import footprint
 
-    spec = tiny_models.TinySpec("mqa", hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=1,
-                                num_hidden_layers=2, intermediate_size=128, rope_theta=10000.0,
-                                tie_word_embeddings=True, seed=4)
-    path = tiny_models.build_model(spec, tokenizer, tmp_path / "mqa")
-    one = make_llm(path, **LAYOUT)
-    two = make_llm(path, tensor_parallel_size=2, **LAYOUT)
+    one, two = heads_pair(tmp_path, tokenizer, hidden=hidden, heads=heads, kv_heads=1, seed=4)
     try:
         attn = two.engine.loaded.model.model.layers[0].self_attn
         assert (attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1)  # rank 0's: 16-wide heads
