@@ -211,6 +211,11 @@ class EngineConfig:
         "Processes (ranks) one model is split across, by attention heads and MLP columns; rank 0 runs the "
         "engine, the others only the forward step. Gloo on CPU, NCCL on CUDA.",
         aliases=(("--tp", "SGLang"), ("--tp-size", "SGLang"), ("--num-shard", "TGI"))))
+    distributed_executor_backend: str = field(default="auto", metadata=_opt(
+        "How the other ranks start, by executor plugin name (`fw plugins list --kind executor`): `uni` one "
+        "process, `mp` worker processes spawned here, `external_launcher` processes torchrun (env://) "
+        "started; auto: external_launcher under a launcher, else uni at --tensor-parallel-size 1 and mp above "
+        "(vLLM's flag)."))
     nnodes: int = field(default=1, metadata=_opt(
         "Machines the --tensor-parallel-size ranks are spread over, evenly; each runs fw with the same flags "
         "and its own --node-rank."))

@@ -82,6 +82,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
                            {"method": "ngram", "num_speculative_tokens": 3}),
     "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
+    "distributed_executor_backend": (["--distributed-executor-backend", "mp"], "mp"),
     "data_parallel_size": (["--data-parallel-size", "2"], 2),
     "nnodes": (["--nnodes", "2"], 2),
     "node_rank": (["--node-rank", "1"], 1),

@@ -49,6 +49,13 @@ EXCEPTIONS = {
     ("fw.quantizers.bitsandbytes", "fw.env"):
         "its FW_BNB_INT8_MATMUL switch is declared with fw's other FW_* switches in fw.env (one typed list, one "
         "table in docs/flags.md); a third-party plugin reads its own variables",
+    ("fw.backends.executors.external_launcher", "fw.distributed.launch"):
+        "torchrun's env:// layout and store are fw's rendezvous (the same prefix, join deadline and errors as "
+        "fw's own start-up): the core's launcher support in executor form; a third-party executor starts "
+        "processes and lets rank 0 serve the meeting point",
+    ("fw.backends.executors.external_launcher", "fw.config"):
+        "under a launcher the layout (--tensor-parallel-size, --nnodes, --node-rank) comes from its variables, "
+        "so prepare() returns a changed EngineConfig",
     ("fw.backends.speculative.draft_model", "fw.speculative.draft_runner"):
         "the draft_model proposer runs a second fw model beside the target with the engine's own runner, KV "
         "pages and loader: the core's proposer in plugin form, not something a third-party proposer implements",

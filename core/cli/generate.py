@@ -40,9 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from fw.warm.startup import resume_collector
 
     config = resolve_config(cli=vars(args), config_file=args.config)
-    from fw.distributed.launch import under_launcher  # here: as above
+    from fw.distributed.backend import prepare_process  # here: as above
 
-    config = under_launcher(config)  # torchrun: ranks other than 0 become workers here
+    # --distributed-executor-backend: under torchrun (external_launcher) ranks other than 0 become workers here
+    config = prepare_process(config)
     if config.node_rank > 0:  # this machine runs tensor-parallel workers only; node 0 generates
         from fw.distributed.node import run_node  # here: as above
 

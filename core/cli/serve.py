@@ -40,9 +40,10 @@ def run(args: argparse.Namespace) -> int:
     engine_config = resolve_config(cli=vars(args), config_file=args.config, shares_file_with=(ServerConfig,))
     server_config = resolve_config(cli=vars(args), config_file=args.config, cls=ServerConfig,
                                    shares_file_with=(EngineConfig,))
-    from fw.distributed.launch import under_launcher  # here: torch (1 s); `fw --help` imports this module
+    from fw.distributed.backend import prepare_process  # here: torch (1 s); `fw --help` imports this module
 
-    engine_config = under_launcher(engine_config)  # torchrun: ranks other than 0 become workers here
+    # --distributed-executor-backend: under torchrun (external_launcher) ranks other than 0 become workers here
+    engine_config = prepare_process(engine_config)
     if engine_config.node_rank > 0:  # this machine runs tensor-parallel workers only; node 0 serves
         from fw.distributed.node import run_node  # here: as above
 

@@ -53,6 +53,7 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.plugins.specs.ToolParserSpec", "use"),
     ("fw.plugins.specs.CliCommandSpec", "use"),
     ("fw.plugins.specs.ProposerSpec", "use"),
+    ("fw.plugins.specs.ExecutorSpec", "use"),
     ("fw.plugins.specs.Verified", "use"),
     # the interfaces plugins implement
     ("fw.plugins.specs.ArchitectureBuild", "impl"),
@@ -68,6 +69,8 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.tool_parsing.ToolParser", "impl"),
     ("fw.warm.artifact.WarmArtifact", "impl"),
     ("fw.speculative.contract.Proposer", "impl"),
+    ("fw.plugins.executor.Executor", "impl"),
+    ("fw.plugins.executor.WorkerProcess", "impl"),
     # what the core hands to plugins
     ("fw.model.config.ModelConfig", "use"),
     ("fw.model.config.RopeConfig", "use"),
@@ -91,6 +94,7 @@ STABLE_TYPES: tuple[tuple[str, str], ...] = (
     ("fw.speculative.contract.ProposerContext", "use"),
     ("fw.speculative.contract.DraftRequest", "use"),
     ("fw.speculative.contract.Draft", "use"),
+    ("fw.plugins.executor.WorkerLaunch", "use"),
     # the building blocks architecture plugins are made of (fw.layers)
     ("fw.layers.linear.Linear", "use"),
     ("fw.layers.linear.UnquantizedLinearMethod", "use"),

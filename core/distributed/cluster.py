@@ -2,8 +2,9 @@
 notice when one dies, and stop them.
 
 Rank 0 is the engine itself. `Cluster.start` (called by the engine before it loads the model)
-checks that the model can be split, opens the meeting point, spawns this node's workers with
-torch.multiprocessing and waits for every rank (those of other nodes too) to join; the engine
+checks that the model can be split, opens the meeting point, has the executor
+(--distributed-executor-backend, fw.plugins.executor) start this node's workers and waits for
+every rank (those of other nodes too) to join; the engine
 then loads rank 0's shard with `cluster.tp`. `drive` shares the KV page count and hooks the
 model so that each forward pass first broadcasts its step (fw.distributed.step). A worker that
 dies is noticed by a watcher thread at once and by the next collective in a few milliseconds;
@@ -22,10 +23,11 @@ from datetime import timedelta
 import torch
 
 from fw.config import EngineConfig
-from fw.distributed import launch, rendezvous, shm, step
+from fw.distributed import rendezvous, shm, step
+from fw.distributed.backend import executor_for, worker_launch
 from fw.distributed.checks import check_config, check_layout
 from fw.distributed.group import TensorParallel
-from fw.distributed.processes import STOP_WAIT_S, describe_exit, spawn_workers, stop_processes
+from fw.distributed.processes import STOP_WAIT_S, describe_exit, stop_processes
 from fw.distributed.threads import bind_rank
 from fw.errors import ConfigError, DistributedError
 from fw.plan import resolve
@@ -56,10 +58,11 @@ class Cluster:
 
     @classmethod
     def start(cls, config: EngineConfig, plugins) -> "Cluster | None":
-        """None for one rank. Else: refuse what cannot be split, start this node's workers, wait for
-        every rank to join (at most --dist-init-timeout) and connect the group."""
+        """None for one rank. Else: refuse what cannot be split, have the executor start this node's
+        workers, wait for every rank to join (at most --dist-init-timeout) and connect the group."""
         check_layout(config)
-        if config.tensor_parallel_size == 1:
+        executor = executor_for(config, plugins)  # a bad --distributed-executor-backend fails at one rank too
+        if executor is None or config.tensor_parallel_size == 1:
             return None
         if config.node_rank != 0:
             raise ConfigError(f"--node-rank {config.node_rank} runs tensor-parallel workers only: start it with "
@@ -67,12 +70,10 @@ class Cluster:
         if config.model is not None:
             _check_model(config, plugins)
         world, local_ranks = config.tensor_parallel_size, config.tensor_parallel_size // config.nnodes
-        launched = launch.from_env()
-        if launched is not None:  # torchrun started every rank: the others are its processes, not fw's
-            store, addr, procs = launch.open_store(launched, config.dist_init_timeout), launched.addr, {}
-        else:
-            store, addr = rendezvous.serve_store(config.dist_init_addr, world, config.dist_init_timeout)
-            procs = spawn_workers(config, addr, range(1, local_ranks), local_ranks)
+        met = executor.meeting_point(config)  # a launcher's store (torchrun), else one rank 0 serves
+        store, addr = met if met is not None else rendezvous.serve_store(config.dist_init_addr, world,
+                                                                         config.dist_init_timeout)
+        procs = dict(executor.start_workers(worker_launch(config, addr, range(1, local_ranks), local_ranks)))
         cluster = cls(config, store, addr, procs)
         try:
             try:

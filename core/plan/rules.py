@@ -25,7 +25,7 @@ from fw.model.quantized_weights import check_method_supported
 from fw.model.source import ModelSource
 from fw.plugins.manager import PluginManager
 from fw.plugins.selection import unverified_warning
-from fw.plugins.specs import ArchitectureSpec, AttentionBackendSpec, AttentionRequirements
+from fw.plugins.specs import ArchitectureSpec, AttentionBackendSpec, AttentionRequirements, ExecutorSpec
 
 logger = logging.getLogger("fw.loader")
 
@@ -45,6 +45,30 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {name}: no CUDA device is available here; use --device cpu")
     return device
+
+
+def choose_executor(cfg: EngineConfig, plugins: PluginManager, launched: bool) -> ExecutorSpec:
+    """--distributed-executor-backend: the executor named, or auto's (vLLM's rule): `external_launcher`
+    when a launcher started this process (`launched`: torchrun's env:// variables are set), `uni` at one
+    rank, `mp` above. An unknown name, or one that cannot run the layout, is a ConfigError naming the
+    installed executors."""
+    registry = plugins.registry("executor")
+    name, flag = cfg.distributed_executor_backend, "--distributed-executor-backend"
+    if name == "auto":
+        name = "external_launcher" if launched else "uni" if cfg.tensor_parallel_size == 1 else "mp"
+        flag = f"{flag} auto (which chose {name})"
+    else:
+        flag = f"{flag} {name}"
+    if name not in registry:
+        raise ConfigError(f"{flag}: no executor of that name is installed; installed: "
+                          f"{', '.join(registry.names()) or '(none)'} (`fw plugins list --kind executor`)")
+    spec = registry.get(name)
+    reasons = spec.rejection_reasons(cfg.tensor_parallel_size, cfg.nnodes)
+    if reasons:
+        fits = [s.name for s in registry if not s.rejection_reasons(cfg.tensor_parallel_size, cfg.nnodes)]
+        raise ConfigError(f"{flag} cannot run --tensor-parallel-size {cfg.tensor_parallel_size} over --nnodes "
+                          f"{cfg.nnodes}: it {'; it '.join(reasons)}; executors that can: {', '.join(fits) or '(none)'}")
+    return spec
 
 
 def resolve_dtype(name: str, hf_config, source: ModelSource, device: torch.device) -> torch.dtype:

@@ -12,6 +12,7 @@ An architecture that sets `ArchitectureSpec(build_config="model")` receives a `M
 (fw.model.config), the model's config read once, instead of the transformers config.
 """
 
+from fw.plugins.executor import Executor, WorkerLaunch, WorkerProcess
 from fw.model.config import ModelConfig, MoeConfig, RopeConfig
 from fw.plugins.hookspecs import ENTRY_POINT_GROUP, hookimpl
 from fw.plugins.specs import (
@@ -20,6 +21,7 @@ from fw.plugins.specs import (
     AttentionBackendSpec,
     AttentionRequirements,
     CliCommandSpec,
+    ExecutorSpec,
     GrammarBackendSpec,
     MoeKernelSpec,
     MoeRequirements,
@@ -43,6 +45,8 @@ __all__ = [
     "AttentionBackendSpec",
     "AttentionRequirements",
     "CliCommandSpec",
+    "Executor",
+    "ExecutorSpec",
     "GrammarBackendSpec",
     "MoeKernelSpec",
     "ModelConfig",
@@ -57,4 +61,6 @@ __all__ = [
     "SamplerStage",
     "ToolParserSpec",
     "Verified",
+    "WorkerLaunch",
+    "WorkerProcess",
 ]

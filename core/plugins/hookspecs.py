@@ -60,6 +60,12 @@ def fw_register_proposers(register) -> None:
 
 
 @hookspec
+def fw_register_executors(register) -> None:
+    """Register `ExecutorSpec`s: how the ranks of a tensor-parallel engine start, named by
+    `--distributed-executor-backend`."""
+
+
+@hookspec
 def fw_register_cli_commands(register) -> None:
     """Register `CliCommandSpec`s: new `fw <name>` subcommands."""
 

@@ -43,6 +43,7 @@ HOOKS = {
     "tool_parser": "fw_register_tool_parsers",
     "cli_command": "fw_register_cli_commands",
     "proposer": "fw_register_proposers",
+    "executor": "fw_register_executors",
 }
 assert set(HOOKS) == set(KINDS)
 

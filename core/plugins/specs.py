@@ -26,11 +26,12 @@ if TYPE_CHECKING:  # annotations only: listing plugins imports neither torch nor
     from fw.model.config import ModelConfig
     from fw.sampling.batch import SamplingBatch
     from fw.sampling.params import SamplingParams
+    from fw.plugins.executor import Executor
     from fw.speculative.contract import Proposer, ProposerContext
     from fw.tool_parsing import ToolParser
 
 KINDS = ("architecture", "attention_backend", "moe_kernel", "quantization_method", "sampler", "grammar_backend",
-         "tool_parser", "cli_command", "proposer")
+         "tool_parser", "cli_command", "proposer", "executor")
 
 
 def _device_and_dtype_reasons(spec, req) -> list[str]:
@@ -486,8 +487,38 @@ class ProposerSpec:
         return {"parameters": self.parameters}
 
 
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """How the ranks of a --tensor-parallel-size engine start (docs/distributed.md, "Executors"):
+    `factory()` returns a `fw.plugins.Executor`; `--distributed-executor-backend NAME` picks it
+    (vLLM's flag). `max_world_size` is the most ranks it runs (1: in-process only; None: any);
+    `multi_node` says it places ranks on other machines (or runs under a launcher that does);
+    `starts_processes` is False when something else (a launcher) starts the ranks."""
+
+    name: str
+    factory: Callable[[], Executor]
+    max_world_size: int | None = None
+    multi_node: bool = False
+    starts_processes: bool = True
+    description: str = ""
+    kind = "executor"
+
+    def rejection_reasons(self, world_size: int, nnodes: int) -> list[str]:
+        """Why it cannot run `world_size` ranks over `nnodes` machines (empty: it can)."""
+        reasons = []
+        if self.max_world_size is not None and world_size > self.max_world_size:
+            reasons.append(f"runs at most {self.max_world_size} rank{'s' * (self.max_world_size != 1)}")
+        if nnodes > 1 and not self.multi_node:
+            reasons.append("runs ranks on one machine only")
+        return reasons
+
+    def summary(self) -> dict:
+        return {"max_world_size": self.max_world_size, "multi_node": self.multi_node,
+                "starts_processes": self.starts_processes}
+
+
 Spec = (ArchitectureSpec | AttentionBackendSpec | MoeKernelSpec | QuantizationMethodSpec | SamplerSpec
-        | GrammarBackendSpec | ToolParserSpec | CliCommandSpec | ProposerSpec)
+        | GrammarBackendSpec | ToolParserSpec | CliCommandSpec | ProposerSpec | ExecutorSpec)
 
 
 __all__ = [
@@ -504,6 +535,7 @@ __all__ = [
     "ToolParserSpec",
     "CliCommandSpec",
     "ProposerSpec",
+    "ExecutorSpec",
     "SamplerChoice",
     "SamplerStage",
     "PerRequestSamplerStage",

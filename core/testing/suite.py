@@ -23,6 +23,7 @@ SUITE_KINDS = {
     "sampler": "fw.testing.samplers",
     "grammar_backend": "fw.testing.grammar",
     "architecture": "fw.testing.architecture",
+    "executor": "fw.testing.executor",
 }
 
 # options every suite takes
