@@ -135,3 +135,17 @@ def test_a_third_party_executor_named_by_the_flag_starts_the_ranks(gqa_dir, tmp_
         llm.engine.cluster.close()
         sys.modules.pop(module, None)
     assert [p.exitcode for p in procs] == [0]
+
+
+def test_the_command_line_lists_a_third_party_executor_and_refuses_an_unknown_name(gqa_dir, tmp_path):
+    module = pf.unique("fwtest_executor")
+    root = pf.make_distribution(tmp_path / "site", "fw-executor-recording", {module: RECORDING},
+                                {"recording": module})
+    rows = pf.plugins_json(pf.run_fw("plugins", "list", "--kind", "executor", "--json", pythonpath=[root]))
+    assert rows["recording"]["distribution"] == "fw-executor-recording"
+    assert rows["recording"]["provides"] == {"executor": ["recording"]} and rows["mp"]["distribution"] == "fw"
+    proc = pf.run_fw("generate", "--model", str(gqa_dir), "--prompt", "hi", "--distributed-executor-backend", "ray",
+                     pythonpath=[root])
+    assert proc.returncode != 0
+    assert ("--distributed-executor-backend ray: no executor of that name is installed; installed: "
+            "external_launcher, mp, recording, uni") in proc.stderr

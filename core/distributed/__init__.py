@@ -10,7 +10,8 @@ happens once, on rank 0, so ranks cannot disagree about a token.
 - `rendezvous.py`: the meeting point (a TCPStore), join deadlines, per-rank error reports
 - `step.py`: the per-step wire format (a fixed header, then one int64 tensor)
 - `cluster.py`: rank 0's side: starting the ranks, watching this node's workers, driving each step
-- `processes.py`: spawning and stopping this node's worker processes
+- `backend.py`: which executor plugin starts the ranks (--distributed-executor-backend; fw.plugins.executor)
+- `processes.py`: stopping the worker processes an executor started
 - `worker.py`: the other ranks' side: load a shard, then step as told
 - `node.py`: a machine that runs only workers (--node-rank > 0)
 - `checks.py`: what cannot be split, refused before any process starts
