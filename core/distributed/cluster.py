@@ -5,8 +5,8 @@ Rank 0 is the engine itself. `Cluster.start` (called by the engine before it loa
 checks that the model can be split, opens the meeting point, has the executor
 (--distributed-executor-backend, fw.plugins.executor) start this node's workers and waits for
 every rank (those of other nodes too) to join; the engine
-then loads rank 0's shard with `cluster.tp`. `drive` shares the KV page count and hooks the
-model so that each forward pass first broadcasts its step (fw.distributed.step). A worker that
+then loads rank 0's shard with `cluster.tp`. `agree_pages` settles the KV page count with the
+workers and `drive` hooks the model so that each forward pass first broadcasts its step (fw.distributed.step). A worker that
 dies is noticed by a watcher thread at once and by the next collective in a few milliseconds;
 either way the engine raises `DistributedError` naming the rank and how it ended, and every
 later step fails the same way rather than hang."""
@@ -23,13 +23,14 @@ from datetime import timedelta
 import torch
 
 from fw.config import EngineConfig
-from fw.distributed import rendezvous, shm, step
+from fw.distributed import kv_budget, rendezvous, shm, step
 from fw.distributed.backend import executor_for, worker_launch
 from fw.distributed.checks import check_config, check_layout
 from fw.distributed.group import TensorParallel
 from fw.distributed.processes import STOP_WAIT_S, describe_exit, stop_processes
 from fw.distributed.threads import bind_rank
 from fw.errors import ConfigError, DistributedError
+from fw.kv_cache.allocation import PageBudget
 from fw.plan import resolve
 from fw.plan.rules import resolve_device
 
@@ -100,11 +101,22 @@ class Cluster:
 
     # -- serving -------------------------------------------------------------------------
 
-    def drive(self, runner, num_blocks: int) -> None:
-        """Tell the workers how many KV pages to allocate, then broadcast every forward step of
-        `runner`'s model before it runs (a forward pre-hook: the model runner is unchanged)."""
-        count = torch.tensor([num_blocks], dtype=torch.long)
-        self._collective(lambda: self.group.broadcast(count, 0, timedelta(seconds=self.config.dist_init_timeout)))
+    def agree_pages(self, own: PageBudget) -> int:
+        """The KV page count every rank allocates: the smallest any rank's own budget holds
+        (fw.distributed.kv_budget). A rank whose budget holds no page fails start-up, named."""
+        self.raise_if_failed()
+        try:
+            return kv_budget.agree_pages(self.group, 0, self.world, own,
+                                         timedelta(seconds=self.config.dist_init_timeout))
+        except ConfigError:
+            self.close()  # every worker raised the same error and is ending
+            raise
+        except Exception as exc:
+            raise self.lost(exc) from exc
+
+    def drive(self, runner) -> None:
+        """Broadcast every forward step of `runner`'s model before it runs (a forward pre-hook: the
+        model runner is unchanged)."""
         self.stepping = True
         runner.model.register_forward_pre_hook(self._before_forward)
 

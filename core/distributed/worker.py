@@ -17,9 +17,11 @@ import torch
 from fw.config import EngineConfig
 from fw.distributed import rendezvous, shm, step
 from fw.distributed.group import TensorParallel
+from fw.distributed.kv_budget import agree_pages
 from fw.distributed.threads import bind_rank
 from fw.engine.model_runner import ModelRunner
 from fw.errors import DistributedError, FwError
+from fw.kv_cache.allocation import page_budget
 from fw.model.loader import load_model
 from fw.plan.rules import resolve_device
 from fw.plugins.manager import engine_plugins
@@ -98,13 +100,19 @@ class Worker:
             raise self._lost(exc) from None
 
     def run(self) -> None:
-        """Load this rank's shard, allocate the KV pages rank 0 decided, then step until STOP."""
+        """Load this rank's shard, allocate the KV pages all ranks agreed on, then step until STOP."""
         config = self.config
         plugins = engine_plugins(config)
         loaded = load_model(config, plugins, self.tp)
-        count = torch.zeros(1, dtype=torch.long)
-        self._broadcast(count, timedelta(seconds=config.dist_init_timeout))
-        runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, int(count), config.kv_cache_page_size,
+        own = page_budget(config, loaded, config.kv_cache_page_size)  # this rank's KV heads, memory and flags
+        try:
+            count = agree_pages(self.group, self.rank, config.tensor_parallel_size, own,
+                                timedelta(seconds=config.dist_init_timeout))
+        except FwError:
+            raise
+        except Exception as exc:
+            raise self._lost(exc) from None
+        runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, count, config.kv_cache_page_size,
                              loaded.dtype, loaded.device)
         self.serve(runner)
 

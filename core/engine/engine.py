@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from fw.config import EngineConfig, parse_size
+from fw.config import EngineConfig
 from fw.distributed.cluster import Cluster
 from fw.engine.cpu_runtime import loading_threads, release_load_memory, spare_old_objects, tune_malloc
 from fw.engine.detokenizer import IncrementalDetokenizer
@@ -82,12 +82,14 @@ class LLMEngine:
         caching = config.enable_prefix_caching and not (self.pooling and self.pooling.method in READS_EVERY_POSITION)
         page = config.kv_cache_page_size
         with startup.phase(startup.ALLOCATE_KV_CACHE):
-            num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(page)
+            # what this rank's budget holds; with other ranks, the smallest any of them holds (fw.distributed)
+            own = kv_cache.page_budget(config, loaded, page)
+            num_blocks = self.cluster.agree_pages(own) if self.cluster is not None else own.require()
             self.blocks = PageManager(num_blocks, page, caching)
             self.runner = ModelRunner(loaded.model, loaded.attention.chosen.backend_cls, num_blocks, page,
                                       loaded.dtype, loaded.device)
-            if self.cluster is not None:  # the workers allocate as many pages and follow every forward step
-                self.cluster.drive(self.runner, num_blocks)
+            if self.cluster is not None:  # the workers follow every forward step
+                self.cluster.drive(self.runner)
         # --enable-lora: adapters on the base model's linear layers, named per request (fw.lora)
         self.lora = self._start_lora(config, loaded)
         release_load_memory(trim=loaded.device.type == "cpu")
@@ -121,26 +123,6 @@ class LLMEngine:
             lora.add(name, path)
         self.runner.lora = lora
         return lora
-
-    def _num_blocks_from_budget(self, page: int) -> int:
-        loaded = self.loaded
-        per_page = kv_cache.bytes_per_page(loaded.model, loaded.attention.chosen.backend_cls, page, loaded.dtype)
-        if loaded.device.type != "cuda":
-            budget = parse_size(self.config.kv_cache_memory)
-            flag = "--kv-cache-memory"
-        else:
-            free, total = torch.cuda.mem_get_info(loaded.device)
-            # What fw may use, minus what is in use (weights), minus room for one step's activations.
-            budget = total * self.config.device_memory_utilization - (total - free) - self._activation_reserve()
-            flag = "--device-memory-utilization"
-        return kv_cache.pages_in_budget(budget, per_page, page, flag)
-
-    def _activation_reserve(self) -> int:
-        """A generous bound on one step's temporaries: hidden/MLP activations and sampled logits."""
-        cfg, size = self.loaded.model_config, torch.tensor([], dtype=self.loaded.dtype).element_size()
-        inter = cfg.intermediate_size or 4 * cfg.hidden_size
-        tokens = self.config.step_tokens
-        return tokens * (6 * cfg.hidden_size + 3 * inter) * size + self.config.max_batch_size * cfg.vocab_size * 12
 
     # -- requests ------------------------------------------------------------------------
 

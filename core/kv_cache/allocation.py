@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from fw.config import parse_size
 from fw.errors import ConfigError
 from fw.layers.attention import Attention
 
@@ -50,10 +52,53 @@ def zeros_touched_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     return tensor[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
-def pages_in_budget(budget: float, per_page: int, page_size: int, flag: str) -> int:
-    """How many pages `budget` bytes hold; none is an error naming the flag that sets the budget."""
-    if budget < per_page:
-        raise ConfigError(
-            f"no room for the KV cache: one page of {page_size} tokens needs {per_page} bytes but the budget is "
-            f"{max(0, int(budget))} bytes; raise {flag} or use a smaller model/dtype")
-    return int(budget // per_page)
+@dataclass(frozen=True)
+class PageBudget:
+    """What one rank's memory budget holds: `pages` (0 when not even one fits), the bytes one page costs on
+    this rank, the budget in bytes, and the flag that sets it. Plain integers, so the ranks of a
+    tensor-parallel engine can exchange them (fw.distributed.kv_budget)."""
+
+    pages: int
+    per_page: int
+    budget: int
+    page_size: int
+    flag: str
+
+    def error(self, rank: int | None = None) -> ConfigError:
+        where = "" if rank is None else f"rank {rank}: "
+        return ConfigError(
+            f"{where}no room for the KV cache: one page of {self.page_size} tokens needs {self.per_page} bytes but "
+            f"the budget is {self.budget} bytes; raise {self.flag} or use a smaller model/dtype")
+
+    def require(self) -> int:
+        """The page count; a budget that holds no page is an error naming the flag that sets it."""
+        if self.pages < 1:
+            raise self.error()
+        return self.pages
+
+
+def page_budget(config, loaded, page_size: int) -> PageBudget:
+    """How many pages this process's budget holds for `loaded` (its own shard: its KV heads, its dtype, its
+    device): --num-kv-blocks when given; else --kv-cache-memory off CUDA; on CUDA the device's memory times
+    --device-memory-utilization, minus what is in use (weights) and room for one step's activations.
+    Rank 0 and the tensor-parallel workers both call it; the ranks then agree on the smallest."""
+    per_page = bytes_per_page(loaded.model, loaded.attention.chosen.backend_cls, page_size, loaded.dtype)
+    if config.num_kv_blocks:
+        return PageBudget(config.num_kv_blocks, per_page, config.num_kv_blocks * per_page, page_size,
+                          "--num-kv-blocks")
+    if loaded.device.type != "cuda":
+        budget, flag = parse_size(config.kv_cache_memory), "--kv-cache-memory"
+    else:
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        budget = total * config.device_memory_utilization - (total - free) - activation_reserve(config, loaded)
+        flag = "--device-memory-utilization"
+    budget = max(0, int(budget))
+    return PageBudget(budget // per_page, per_page, budget, page_size, flag)
+
+
+def activation_reserve(config, loaded) -> int:
+    """A generous bound on one step's temporaries: hidden/MLP activations and sampled logits."""
+    cfg, size = loaded.model_config, torch.tensor([], dtype=loaded.dtype).element_size()
+    inter = cfg.intermediate_size or 4 * cfg.hidden_size
+    return (config.step_tokens * (6 * cfg.hidden_size + 3 * inter) * size
+            + config.max_batch_size * cfg.vocab_size * 12)
