@@ -7,6 +7,7 @@ shared where a test leaves them usable, and each fault test makes its own."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import torch
 from conftest import make_llm, record_steps
 from fw import SamplingParams
 from fw.errors import ConfigError, DistributedError, UnsupportedConfigurationError
+from fw.kv_cache.allocation import bytes_per_page
 from fw.layers import ModelContext, SelfAttention
 from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -405,16 +407,22 @@ def test_a_frozen_worker_is_an_error_after_dist_timeout(gqa_dir):
 # -- two "nodes" on this machine -----------------------------------------------------------------
 
 
-def test_two_nodes_on_localhost_give_the_tokens_of_one_process(gqa_dir, llm):
-    """Node 1 is `fw serve --node-rank 1` in a process of its own: it runs rank 1 and no server."""
+def test_two_nodes_on_localhost_give_the_tokens_of_one_process_and_the_smaller_kv_budget(gqa_dir, llm):
+    """Node 1 is `fw serve --node-rank 1` in a process of its own: it runs rank 1 and no server. Its
+    --kv-cache-memory is its own (a machine with less memory): every rank allocates the pages the smaller
+    budget holds, not the count rank 0's 1 GiB would give."""
     addr = f"127.0.0.1:{free_port()}"
     flags = ["--model", str(gqa_dir), "--dtype", "float32", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr,
              "--dist-init-timeout", "60"]
-    node1 = subprocess.Popen([sys.executable, "-m", "fw.cli.main", "serve", *flags, "--node-rank", "1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node1 = subprocess.Popen([sys.executable, "-m", "fw.cli.main", "serve", *flags, "--node-rank", "1",
+                              "--kv-cache-memory", "200KiB"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
     try:
-        two = make_llm(gqa_dir, tensor_parallel_size=2, nnodes=2, dist_init_addr=addr, dist_init_timeout=60)
+        two = make_llm(gqa_dir, tensor_parallel_size=2, nnodes=2, dist_init_addr=addr, dist_init_timeout=60,
+                       num_kv_blocks=None)  # rank 0: the default 1 GiB
         assert two.engine.cluster.procs == {}  # node 0 holds rank 0 only
+        per_page = rank0_bytes_per_page(two)  # rank 1's too: the model's 2 KV heads split one per rank
+        assert two.engine.stats()["num_kv_blocks"] == 200 * 1024 // per_page < (1 << 30) // per_page
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == expected
@@ -426,6 +434,42 @@ def test_two_nodes_on_localhost_give_the_tokens_of_one_process(gqa_dir, llm):
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+def rank0_bytes_per_page(llm) -> int:
+    loaded = llm.engine.loaded
+    return bytes_per_page(loaded.model, loaded.attention.chosen.backend_cls, llm.engine.config.kv_cache_page_size,
+                          loaded.dtype)
+
+
+def test_a_node_whose_kv_budget_holds_no_page_fails_start_up_naming_its_rank(gqa_dir):
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ["--model", str(gqa_dir), "--dtype", "float32", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr,
+             "--dist-init-timeout", "60"]
+    node1 = subprocess.Popen([sys.executable, "-m", "fw.cli.main", "serve", *flags, "--node-rank", "1",
+                              "--kv-cache-memory", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        with pytest.raises(ConfigError, match=r"^rank 1: no room for the KV cache: one page of 16 tokens needs "
+                                              r"\d+ bytes but the budget is 1000 bytes; raise --kv-cache-memory"):
+            make_llm(gqa_dir, tensor_parallel_size=2, nnodes=2, dist_init_addr=addr, dist_init_timeout=60,
+                     num_kv_blocks=None)
+        output, _ = node1.communicate(timeout=30)
+        assert node1.returncode != 0
+        assert "rank 1: no room for the KV cache" in output
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_a_kv_budget_that_holds_no_page_at_tp2_names_the_rank_and_leaves_no_worker(gqa_dir):
+    """Every rank's budget is too small here: all of them raise the lowest rank's error and end."""
+    before, start = set(multiprocessing.active_children()), time.monotonic()
+    with pytest.raises(ConfigError, match=r"^rank 0: no room for the KV cache: .* the budget is 1000 bytes"):
+        make_llm(gqa_dir, tensor_parallel_size=2, num_kv_blocks=None, kv_cache_memory="1000")
+    assert time.monotonic() - start < 30
+    assert set(multiprocessing.active_children()) <= before, "a worker outlived the failed start-up"
 
 
 def test_a_node_started_with_other_options_is_refused_naming_the_option(gqa_dir):
