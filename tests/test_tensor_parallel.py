@@ -7,6 +7,7 @@ shared where a test leaves them usable, and each fault test makes its own."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -407,17 +408,27 @@ def test_a_frozen_worker_is_an_error_after_dist_timeout(gqa_dir):
 # -- two "nodes" on this machine -----------------------------------------------------------------
 
 
-def test_two_nodes_on_localhost_give_the_tokens_of_one_process_and_the_smaller_kv_budget(gqa_dir, llm):
-    """Node 1 is `fw serve --node-rank 1` in a process of its own: it runs rank 1 and no server. Its
-    --kv-cache-memory is its own (a machine with less memory): every rank allocates the pages the smaller
-    budget holds, not the count rank 0's 1 GiB would give."""
-    addr = f"127.0.0.1:{free_port()}"
-    flags = ["--model", str(gqa_dir), "--dtype", "float32", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr,
-             "--dist-init-timeout", "60"]
-    node1 = subprocess.Popen([sys.executable, "-m", "fw.cli.main", "serve", *flags, "--node-rank", "1",
-                              "--kv-cache-memory", "200KiB"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+@contextlib.contextmanager
+def node_one(model_dir, addr: str, *extra: str):
+    """`fw serve --node-rank 1` of a two-node --tp 2 layout (fp32), in a process of its own: it runs rank 1 and
+    no server. Killed at the end if it still runs."""
+    flags = ["--model", str(model_dir), "--dtype", "float32", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr,
+             "--dist-init-timeout", "60", "--node-rank", "1", *extra]
+    node1 = subprocess.Popen([sys.executable, "-m", "fw.cli.main", "serve", *flags], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
     try:
+        yield node1
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_two_nodes_on_localhost_give_the_tokens_of_one_process_and_the_smaller_kv_budget(gqa_dir, llm):
+    """Node 1's --kv-cache-memory is its own (a machine with less memory): every rank allocates the pages the
+    smaller budget holds, not the count rank 0's 1 GiB would give."""
+    addr = f"127.0.0.1:{free_port()}"
+    with node_one(gqa_dir, addr, "--kv-cache-memory", "200KiB") as node1:
         two = make_llm(gqa_dir, tensor_parallel_size=2, nnodes=2, dist_init_addr=addr, dist_init_timeout=60,
                        num_kv_blocks=None)  # rank 0: the default 1 GiB
         assert two.engine.cluster.procs == {}  # node 0 holds rank 0 only
@@ -430,10 +441,6 @@ def test_two_nodes_on_localhost_give_the_tokens_of_one_process_and_the_smaller_k
         output, _ = node1.communicate(timeout=30)
         assert node1.returncode == 0, output
         assert "node 1: tensor-parallel ranks 1..1 joining" in output
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.wait()
 
 
 def rank0_bytes_per_page(llm) -> int:
@@ -444,12 +451,7 @@ def rank0_bytes_per_page(llm) -> int:
 
 def test_a_node_whose_kv_budget_holds_no_page_fails_start_up_naming_its_rank(gqa_dir):
     addr = f"127.0.0.1:{free_port()}"
-    flags = ["--model", str(gqa_dir), "--dtype", "float32", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr,
-             "--dist-init-timeout", "60"]
-    node1 = subprocess.Popen([sys.executable, "-m", "fw.cli.main", "serve", *flags, "--node-rank", "1",
-                              "--kv-cache-memory", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
-    try:
+    with node_one(gqa_dir, addr, "--kv-cache-memory", "1000") as node1:
         with pytest.raises(ConfigError, match=r"^rank 1: no room for the KV cache: one page of 16 tokens needs "
                                               r"\d+ bytes but the budget is 1000 bytes; raise --kv-cache-memory"):
             make_llm(gqa_dir, tensor_parallel_size=2, nnodes=2, dist_init_addr=addr, dist_init_timeout=60,
@@ -457,10 +459,6 @@ def test_a_node_whose_kv_budget_holds_no_page_fails_start_up_naming_its_rank(gqa
         output, _ = node1.communicate(timeout=30)
         assert node1.returncode != 0
         assert "rank 1: no room for the KV cache" in output
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.wait()
 
 
 def test_a_kv_budget_that_holds_no_page_at_tp2_names_the_rank_and_leaves_no_worker(gqa_dir):
