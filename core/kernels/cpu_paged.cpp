@@ -299,13 +299,22 @@ void values_bf16(const uint32_t* pairs, int64_t npairs, int64_t D, int64_t c0, c
     }
 }
 
+// The keys a thread's next task starts with (none: len 0). A task reads only a dozen pages or so; without
+// this each one began by waiting on memory for its first pages (score_bf16 prefetches from its second on).
+struct NextTask {
+  const c10::BFloat16* k_head = nullptr;
+  const int64_t* table = nullptr;
+  int64_t len = 0;
+};
+
 // One (sequence, KV head) in bf16: D % 32 == 0, P even, scale > 0. Scores from q exactly as given (the
 // scale is applied to the fp32 scores); the fp32 softmax is rounded to bf16 for the value pass, as
 // bf16 sdpa does.
+
 void attend_bf16(const c10::BFloat16* q, int64_t q_stride_h, const c10::BFloat16* k_head,
                  const c10::BFloat16* v_head, const int64_t* table, int64_t len, int64_t P, int64_t G, int64_t D,
                  float scale, float softcap, int64_t masked, c10::BFloat16* out, std::vector<float>& buf,
-                 std::vector<uint32_t>& ubuf) {
+                 std::vector<uint32_t>& ubuf, const NextTask& next) {
   const int64_t npairs = len / 2 + 1;
   buf.resize(size_t(G * D + G * len));
   ubuf.resize(size_t(G * D / 2 + G * npairs));
@@ -326,6 +335,10 @@ void attend_bf16(const c10::BFloat16* q, int64_t q_stride_h, const c10::BFloat16
       case 4: score_bf16<4>(qg, D, k_head, v_head, table, len, P, sg); break;
     }
   }
+  // K is read: while softmax and values run from cache, the next task's first keys come from memory
+  // (6-7% faster at batch 64 with the cache in DRAM, docs/performance.md).
+  for (int64_t a = 0; a < kAheadPages && a * P < next.len; ++a)
+    prefetch_rows<_MM_HINT_T1>(next.k_head + next.table[a] * P * D, std::min(P, next.len - a * P) * D);
   for (int64_t g = 0; g < G; ++g) {
     const float rest = cap_and_mask(scores + g * len, len, scale, softcap, masked);
     softmax_bf16(scores + g * len, len, rest, reinterpret_cast<uint16_t*>(pairs + g * npairs));
@@ -345,7 +358,8 @@ void attend_bf16(const c10::BFloat16* q, int64_t q_stride_h, const c10::BFloat16
 #undef FW_DISPATCH
     }
   }
-  for (int64_t i = 0; i < G * D; ++i) out[i] = c10::BFloat16(acc[i]);
+  for (int64_t i = 0; i < G * D; i += 16)  // D % 32 == 0; RNE as c10::BFloat16(float)
+    fw_simd::store16(out + i, _mm512_loadu_ps(acc + i));
 }
 #endif
 #endif
@@ -446,19 +460,34 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 #ifdef FW_BF16_DOT
     std::vector<uint32_t> ubuf;
 #endif
+    // Task i's pages: a sliding window sees keys [len - window, len), so the pages wholly before it are skipped
+    // (and the rest of the first page masked).
+    auto pages_of = [&](int64_t i, const int64_t*& table, int64_t& len, int64_t& masked) {
+      const int64_t b = i / Hkv;
+      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      table = tables + b * max_blocks + start / P;
+      len = lens[b] - (start / P) * P;
+      masked = start % P;
+    };
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv;
       const int64_t offset = (b * H + h * G) * D;
-      // A sliding window sees keys [len - window, len): skip the pages wholly before it, mask the rest.
-      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-      const int64_t* table = tables + b * max_blocks + start / P;
-      const int64_t len = lens[b] - (start / P) * P, masked = start % P;
+      const int64_t* table;
+      int64_t len, masked;
+      pages_of(i, table, len, masked);
 #ifdef FW_BF16_DOT
       if constexpr (is_bf16) {
         if (dot) {
+          NextTask next;
+          if (i + 1 < end) {
+            int64_t unused;
+            pages_of(i + 1, next.table, next.len, unused);
+            const int64_t hn = (i + 1) % Hkv;
+            next.k_head = reinterpret_cast<const c10::BFloat16*>(kp) + hn * pages * P * D;
+          }
           attend_bf16(qp + b * q_stride_b + h * G * q_stride_h, q_stride_h, kp + h * pages * P * D,
                       vp + h * pages * P * D, table, len, P, G, D, float(scale), float(softcap), masked,
-                      op + offset, buf, ubuf);
+                      op + offset, buf, ubuf, next);
           continue;
         }
       }
