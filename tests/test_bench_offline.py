@@ -8,8 +8,9 @@ import random
 import re
 
 import pytest
+import torch
 
-from fw.commands.bench import BenchError
+from fw.commands.bench import BenchError, machine_speed
 from fw.commands.bench.offline import exact_length_ids, make_prompts, ratios, throughput_lengths
 from fw.commands.bench.plot import read_html_data
 from fw.cli.main import main
@@ -51,7 +52,7 @@ def _run(args, tmp_path, capsys) -> dict:
     assert main([*args, "--output-json", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "fw/transf" in printed
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "_printed": printed}
 
 
 def test_latency_against_transformers(gqa_dir, tmp_path, capsys, isolated_plugins):
@@ -67,7 +68,21 @@ def test_latency_against_transformers(gqa_dir, tmp_path, capsys, isolated_plugin
         assert report["ratios"][key] == pytest.approx(report["fw"][key] / report["baseline"][key])
     env = report["environment"]
     assert env["torch_version"] and env["transformers_version"] and env["fw_version"] and env["num_threads"] >= 1
+    machine = env["machine"]  # the machine's speed beside the run, before and after it
+    assert machine["device_name"]
+    for when in ("before", "after"):
+        assert machine[when]["matmul_gflops"] > 0 and machine[when]["read_gbs"] > 0
+    assert f"float32 matmul {machine['before']['matmul_gflops']:.0f} GFLOP/s" in report["_printed"]
     assert report["baseline_info"]["dtype"] == "float32"
+
+
+def test_machine_name_tells_cpu_generations_apart(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+                       "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\n"
+                       "model name\t: other\n")
+    assert machine_speed.device_name(torch.device("cpu"), str(cpuinfo)) == "AMD EPYC (family 25, model 17)"
+    assert machine_speed.device_name(torch.device("cpu"), str(tmp_path / "missing"))  # the platform's name
 
 
 def test_throughput_against_transformers(gqa_dir, tmp_path, capsys, isolated_plugins):

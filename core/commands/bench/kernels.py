@@ -111,21 +111,6 @@ def _device(name: str):
     return device
 
 
-def _device_name(device) -> str:
-    import torch  # here: as in _device
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:  # Linux names the CPU model; platform.processor() often says only "x86_64"
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _chosen_specs(registry, names: list[str] | None, kind: str) -> list:
     if names is None:
         return sorted(registry, key=lambda s: s.name)
@@ -141,13 +126,14 @@ def bench_kernels(args: argparse.Namespace, plugins=None, progress=None) -> dict
     import torch  # here: as in _device
 
     # here: the timing helpers import torch, the plugin manager costs 20 ms; both load with the run
+    from fw.commands.bench import machine_speed
     from fw.commands.bench.kernels_case import median, time_call
     from fw.plugins.manager import get_plugin_manager
 
     _validate(args)
     device = _device(args.device)
     dtype = getattr(torch, args.dtype)
-    device_name = _device_name(device)
+    device_name = machine_speed.device_name(device)
     peak = resolve_peak(device.type, device_name, args.dtype, args.peak_bandwidth_gbps, args.peak_tflops)
     plugins = plugins or get_plugin_manager()
     registry_kind = "attention_backend" if args.kind == "attention" else "moe_kernel"

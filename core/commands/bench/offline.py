@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 from tqdm import tqdm
 
-from fw.commands.bench import BenchError
+from fw.commands.bench import BenchError, machine_speed
 from fw.commands.bench.llamacpp_baseline import LlamaCppBaseline, find_binaries
 from fw.commands.bench.llamacpp_python import LlamaCppPythonBaseline
 from fw.commands.bench.prompts import make_prompt, sample_lengths
@@ -163,13 +163,22 @@ def ratios(fw: dict, baseline: dict | None, keys: Sequence[str]) -> dict[str, fl
     return {k: fw[k] / baseline[k] if fw.get(k) is not None and baseline.get(k) else None for k in keys}
 
 
-def environment(llm) -> dict[str, Any]:
+def environment(llm, machine_before: dict[str, float]) -> dict[str, Any]:
+    """Versions, threads and device, and the machine's speed (fw.commands.bench.machine_speed) measured
+    before the run (`machine_before`) and now, after it."""
     import transformers  # here: transformers costs 0.6 s of start-up; only its version is read, after the run
 
+    loaded = llm.engine.loaded
+    machine = {"device_name": machine_speed.device_name(loaded.device), "before": machine_before,
+               "after": machine_speed.measure(loaded.device, loaded.dtype)}
     return {"fw_version": __version__, "torch_version": torch.__version__,
             "transformers_version": transformers.__version__, "python_version": platform.python_version(),
-            "num_threads": torch.get_num_threads(), "device": str(llm.engine.loaded.device),
-            "platform": platform.platform()}
+            "num_threads": torch.get_num_threads(), "device": str(loaded.device),
+            "platform": platform.platform(), "machine": machine}
+
+
+def machine_now(llm) -> dict[str, float]:
+    return machine_speed.measure(llm.engine.loaded.device, llm.engine.loaded.dtype)
 
 
 def model_info(llm) -> dict[str, Any]:
@@ -275,6 +284,7 @@ def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_i
     base_prompts = _baseline_prompts(base, llm, prompts, seed, workload)
     fw_runs, base_runs = [], []
     stats = None
+    machine = machine_now(llm)
     with progress_bar(len(prompts), "fw" if base is None else f"fw and {base.name}", progress) as bar:
         for i, prompt in enumerate(prompts):
             if i == num_iters_warmup:
@@ -292,7 +302,7 @@ def bench_latency(llm, *, input_len: int, output_len: int, num_iters: int, num_i
     return {"benchmark": "latency", **model_info(llm),
             "workload": {"kind": workload, "input_len": input_len, "output_len": output_len, "num_iters": num_iters,
                          "num_iters_warmup": num_iters_warmup, "seed": seed},
-            "environment": environment(llm), "fw": fw, "baseline": base_summary,
+            "environment": environment(llm, machine), "fw": fw, "baseline": base_summary,
             "baseline_info": base.describe() if base is not None else None,
             "ratios": ratios(fw, base_summary, keys)}
 
@@ -314,6 +324,7 @@ def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: 
     fw_passes: list[dict[str, Any]] = []
     base_passes: list[dict[str, Any]] = []
     stats = llm.engine.stats()
+    machine = machine_now(llm)
     for i in range(num_passes):
         prompts = make_prompts(llm.tokenizer, lengths, seed if i == 0 else seed + 1 + i, workload)
         if progress:
@@ -334,7 +345,7 @@ def bench_throughput(llm, *, num_prompts: int, input_len: int, input_len_range: 
             "workload": {"kind": workload, "num_prompts": num_prompts, "input_len": input_len, "input_len_range": input_len_range,
                          "min_input_len": min(lengths), "max_input_len": max(lengths), "output_len": output_len,
                          "baseline_batch_size": baseline_batch_size, "seed": seed, "num_passes": num_passes},
-            "environment": environment(llm), "fw": fw, "baseline": base_summary,
+            "environment": environment(llm, machine), "fw": fw, "baseline": base_summary,
             "baseline_info": base.describe() if base is not None else None, "ratios": ratios(fw, base_summary, keys),
             "passes": {"fw": fw_passes, "baseline": base_passes or None}}
 
@@ -378,6 +389,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines = ["{:=^{w}}".format(f" Offline {report['benchmark'].title()} Benchmark ", w=width),
              f"Model: {report['model']} ({report['dtype']}, {env['device']}, {env['num_threads']} threads)",
              f"Workload: {workload}",
+             *([machine_speed.summary_line(env["machine"], report["dtype"])] if env.get("machine") else []),
              "-" * width,
              f"{'metric':<28}{'fw':>14}{base_name:>16}{'fw/' + base_name[:6]:>14}"]
 
