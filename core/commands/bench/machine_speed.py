@@ -48,29 +48,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_rate(work: float, call: Callable[[], Any], device: torch.device, rounds: int, calls: int) -> float:
-    """work / seconds per call, the best of `rounds` timed rounds: the machine at its fastest that moment."""
+def _best_rate(work: float, call: Callable[[], Any], device: torch.device, calls: int, seconds: float) -> float:
+    """work / seconds per call, the best round of `calls` calls over at least three rounds and `seconds`:
+    the machine at its fastest that moment, after a core that was idle has come up to speed."""
     call()
     _sync(device)
-    best = 0.0
-    for _ in range(rounds):
+    best, rounds, deadline = 0.0, 0, time.perf_counter() + seconds
+    while rounds < 3 or time.perf_counter() < deadline:
         start = time.perf_counter()
         for _ in range(calls):
             call()
         _sync(device)
         best = max(best, work * calls / (time.perf_counter() - start))
+        rounds += 1
     return best
 
 
 def measure(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """matmul_gflops: a MATMUL_SIZE-square product in `dtype` (torch's own kernel: oneDNN on CPUs);
-    read_gbs: summing READ_BYTES of float32. A fraction of a second on a CPU."""
+    read_gbs: summing READ_BYTES of float32. About half a second in all."""
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device).to(dtype)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device).to(dtype)
-    gflops = _best_rate(2 * MATMUL_SIZE**3 / 1e9, lambda: torch.mm(a, b), device, rounds=3, calls=4)
+    gflops = _best_rate(2 * MATMUL_SIZE**3 / 1e9, lambda: torch.mm(a, b), device, calls=4, seconds=0.2)
     del a, b
     buf = torch.ones(READ_BYTES // 4, device=device)
-    gbs = _best_rate(READ_BYTES / 1e9, buf.sum, device, rounds=3, calls=2)
+    gbs = _best_rate(READ_BYTES / 1e9, buf.sum, device, calls=2, seconds=0.1)
     return {"matmul_gflops": round(gflops, 1), "read_gbs": round(gbs, 1)}
 
 
