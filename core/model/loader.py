@@ -19,6 +19,7 @@ from fw.errors import ModelLoadError
 from fw.kernels import cpu_ops, dense
 from fw.layers.context import ModelContext
 from fw.layers.packed_embedding import embedding_from_head, embedding_from_tied_head
+from fw.model import fast_attributes
 from fw.model.config import ModelConfig, as_model_config
 from fw.model.attention_needs import check_built_layers
 from fw.model.gguf_file import GGUFModel, is_packable_linear, transform_weight, weight_transform
@@ -133,6 +134,7 @@ def load_model(cfg: EngineConfig, plugins: PluginManager, tensor_parallel: Tenso
         embedding_from_tied_head(model)  # the rows from a tied head packed for the dense kernel: no second copy
     bind_kv_cache(model, plan.kv_cache_dtype, kv_scales)
     model.to(device).eval()
+    fast_attributes.freeze(model)  # its structure is final: lookups in the steps skip nn.Module.__getattr__
     lap(startup.LOAD_WEIGHTS)
     logger.info("loaded %s (%s, %s) with attention backend %s", source.name, arch.name, dtype, attention.chosen.name)
     return LoadedModel(model, hf_config, plan.tokenizer, source, arch, attention, quant_name, dtype, device,
