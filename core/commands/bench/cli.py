@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_offline(args: argparse.Namespace) -> int:
     # here: the engine, torch and the serve-load helpers load with the run, not with `fw --help`
-    from fw.commands.bench import offline
+    from fw.commands.bench import offline, offline_table
     from fw.commands.bench.report import write_json
     from fw.llm import LLM
 
@@ -193,7 +193,7 @@ def run_offline(args: argparse.Namespace) -> int:
     if args.output_json:
         write_json(report, args.output_json)
     plot_after_run(report, args.plot)
-    print(offline.format_table(report))
+    print(offline_table.format_table(report))
     return 0
 
 

@@ -170,7 +170,7 @@ def environment(llm, machine_before: dict[str, float]) -> dict[str, Any]:
 
     loaded = llm.engine.loaded
     machine = {"device_name": machine_speed.device_name(loaded.device), "before": machine_before,
-               "after": machine_speed.measure(loaded.device, loaded.dtype)}
+               "after": machine_now(llm)}
     return {"fw_version": __version__, "torch_version": torch.__version__,
             "transformers_version": transformers.__version__, "python_version": platform.python_version(),
             "num_threads": torch.get_num_threads(), "device": str(loaded.device),
@@ -178,6 +178,7 @@ def environment(llm, machine_before: dict[str, float]) -> dict[str, Any]:
 
 
 def machine_now(llm) -> dict[str, float]:
+    """The machine's speed now, in the loaded model's device and dtype."""
     return machine_speed.measure(llm.engine.loaded.device, llm.engine.loaded.dtype)
 
 
@@ -362,51 +363,3 @@ def median_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
     """The pass with the median elapsed time (the lower middle one of an even count)."""
     ordered = sorted(passes, key=lambda p: p["elapsed_s"])
     return ordered[(len(ordered) - 1) // 2]
-
-
-# --- output ----------------------------------------------------------------------------------------------------
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """fw, baseline and fw/baseline side by side."""
-    metrics = LATENCY_METRICS if report["benchmark"] == "latency" else THROUGHPUT_METRICS
-    base_name = report["baseline_info"]["name"] if report["baseline_info"] else "baseline"
-    width = 72
-    w = report["workload"]
-    env = report["environment"]
-    if report["benchmark"] == "latency":
-        workload = (f"1 request, {w['input_len']} in / {w['output_len']} out, "
-                    f"{w['num_iters']} iterations ({w['num_iters_warmup']} warm-up)")
-        if w.get("kind", "random") != "random":
-            workload += f"; {w['kind']} prompts"
-    else:
-        workload = (f"{w['num_prompts']} prompts, {w['min_input_len']}-{w['max_input_len']} in / "
-                    f"{w['output_len']} out; baseline batch {w['baseline_batch_size']}")
-        if w.get("num_passes", 1) > 1:
-            workload += f"; median of {w['num_passes']} alternating passes"
-        if w.get("kind", "random") != "random":
-            workload += f"; {w['kind']} prompts"
-    lines = ["{:=^{w}}".format(f" Offline {report['benchmark'].title()} Benchmark ", w=width),
-             f"Model: {report['model']} ({report['dtype']}, {env['device']}, {env['num_threads']} threads)",
-             f"Workload: {workload}",
-             *([machine_speed.summary_line(env["machine"], report["dtype"])] if env.get("machine") else []),
-             "-" * width,
-             f"{'metric':<28}{'fw':>14}{base_name:>16}{'fw/' + base_name[:6]:>14}"]
-
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        return f"{value:.2f}" if isinstance(value, float) else str(value)
-
-    base = report["baseline"] or {}
-    ratio = report["ratios"] or {}
-    for key, label in metrics:
-        lines.append(f"{label:<28}{cell(report['fw'].get(key)):>14}{cell(base.get(key)):>16}"
-                     f"{cell(ratio.get(key)):>14}")
-    spec = report["fw"].get("speculative")
-    if spec:
-        lines.append(f"Speculative decoding (fw): {spec['num_drafts']} drafts, {spec['num_accepted_tokens']} of "
-                     f"{spec['num_draft_tokens']} draft tokens accepted ({spec['acceptance_rate']:.0%}), "
-                     f"{spec['mean_acceptance_length']:.2f} tokens per verify pass")
-    lines.append("=" * width)
-    return "\n".join(lines)
