@@ -45,6 +45,7 @@ LIBRARIES = [
     ("fw.kernels", "packed_int", "core/kernels/packed_int.cpp", cpp_build.DEFAULT_CFLAGS),
     ("fw.kernels", "fw_packed", "core/kernels/packed_linear.cpp", cpp_build.DEFAULT_CFLAGS),
     ("fw.kernels", "cpu_paged", "core/kernels/cpu_paged.cpp", cpp_build.DEFAULT_CFLAGS),
+    ("fw.kernels", "step_program", "core/kernels/step_program.cpp", cpp_build.DEFAULT_CFLAGS),
 ]
 
 

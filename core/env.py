@@ -135,6 +135,8 @@ CPP_OPS_INSTALLED = Flag("FW_CPP_OPS_INSTALLED", "Load the C++ libraries `pip in
                          "them under the cache dir at run time.", default=True)
 CPU_FUSED_OPS = Flag("FW_CPU_FUSED_OPS", "fw's fused C++ CPU ops (norms, rotary, argmax, ...); off: torch's.",
                      default=True)
+CPU_STEP_PROGRAM = Flag("FW_CPU_STEP_PROGRAM", "CPU steps replay the decoder layers' op calls from C++ "
+                        "(fw.layers.replay); off: the layers' Python forward.", default=True)
 CPU_PACKED_INT = Flag("FW_CPU_PACKED_INT", "Quantized weights run on CPU kernels (fw's packed-int ones, a library's "
                       "own fused kernel); off: every method's reference path.", default=True)
 CPU_WEIGHT_PACKING = Choice("FW_CPU_WEIGHT_PACKING", "Dense CPU weights: `auto` packs bf16 ones for fw's kernel on "
@@ -151,5 +153,5 @@ BNB_INT8_MATMUL = Flag("FW_BNB_INT8_MATMUL", "bitsandbytes-8bit runs bitsandbyte
                        "device (its CUDA default).")
 
 SWITCHES: tuple[Switch, ...] = (CACHE_DIR, CONFIG, PLUGINS, DISABLE_PLUGINS, STRICT_PLUGINS, TRACE_PLUGINS,
-                                CPP_OPS_INSTALLED, CPU_FUSED_OPS, CPU_PACKED_INT, CPU_WEIGHT_PACKING,
+                                CPP_OPS_INSTALLED, CPU_FUSED_OPS, CPU_STEP_PROGRAM, CPU_PACKED_INT, CPU_WEIGHT_PACKING,
                                 CPU_RUNTIME_TUNING, DIST_SHM, BNB_INT8_MATMUL)

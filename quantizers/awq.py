@@ -67,7 +67,7 @@ def detects(qcfg: dict) -> bool:
     return str(qcfg.get("quant_method", "")).lower() == "awq"
 
 
-class AWQLinearMethod(LinearMethod):
+class AWQLinearMethod(packed_int.PackedIntSteps, LinearMethod):
     """Packed AWQ GEMM weights, dequantized block by block inside each matmul."""
 
     def __init__(self, quant_config: dict):

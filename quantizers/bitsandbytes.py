@@ -336,7 +336,7 @@ def _int8_matmul_forced() -> bool:
     return env.BNB_INT8_MATMUL.get()
 
 
-class Int8LinearMethod(LinearMethod):
+class Int8LinearMethod(packed_int.PackedIntSteps, LinearMethod):
     """LLM.int8 weights: int8 [out, in] + fp32 row scale `SCB` (absmax of the row)."""
 
     def __init__(self, settings: BnbSettings):

@@ -82,7 +82,7 @@ def _compressed_tensors_group(qcfg: dict) -> dict | None:
     return None
 
 
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(packed_int.PackedIntSteps, LinearMethod):
     """fp8 weights with per-row (or per-block) fp32 scales; see the module docstring.
 
     `prequantized`: the checkpoint holds fp8 tensors and scales (else dense weights are quantized on load).

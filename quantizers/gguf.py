@@ -357,6 +357,18 @@ class GGUFLinearMethod(LinearMethod):
             return dense.dense_silu_mul(x, layer.weight)
         return None
 
+    def emit_step(self, layer: Linear, b, x):
+        if layer.dense and not layer.fp32_out:
+            return dense.emit_linear(b, x, layer.weight, layer.dense_layout, layer.bias)
+        if layer.packed_int is not None:
+            return packed_int.emit_layer(layer, b, x)
+        return super().emit_step(layer, b, x)  # dequantized per product: not replayed
+
+    def emit_silu_step(self, layer: Linear, b, x):
+        if layer.dense and layer.silu_gate_up and layer.dense_layout is DenseLayout.GATE_UP:
+            return dense.emit_silu_mul(b, x, layer.weight)
+        return None
+
 
 _warned: set[int] = set()  # GGUF types already reported as dequantized at load, once per process
 

@@ -74,7 +74,7 @@ def detects(qcfg: dict) -> bool:
     return str(qcfg.get("quant_method", "")).lower() == "gptq"
 
 
-class GPTQLinearMethod(LinearMethod):
+class GPTQLinearMethod(packed_int.PackedIntSteps, LinearMethod):
     """Packed GPTQ weights, dequantized block by block inside each matmul."""
 
     def __init__(self, quant_config: dict):

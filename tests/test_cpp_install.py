@@ -17,7 +17,7 @@ import torch
 
 from fw.kernels import build_record, loader
 from fw.compile import ops as compile_ops
-from fw.kernels import cpu_ops, dense, packed_int
+from fw.kernels import cpu_ops, dense, packed_int, step_program
 from fw.backends.attention import cpu_paged
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +29,7 @@ LOADED = {
     "packed_int": (packed_int.SOURCE, loader.DEFAULT_CFLAGS),
     "fw_packed": (compile_ops.PACKED_SOURCE, loader.DEFAULT_CFLAGS),
     "cpu_paged": (cpu_paged._SOURCE, loader.DEFAULT_CFLAGS),
+    "step_program": (step_program._SOURCE, loader.DEFAULT_CFLAGS),
 }
 
 
@@ -74,11 +75,12 @@ def test_a_start_loads_the_installed_libraries_and_builds_nothing(tmp_path) -> N
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="LOG %(levelname)s %(name)s %(message)s")
 from fw.kernels import loader
-from fw.kernels import cpu_ops, dense, packed_int
+from fw.kernels import cpu_ops, dense, packed_int, step_program
 from fw.backends.attention import cpu_paged
 from fw.compile import ops
 load = {"cpu_ops": lambda: cpu_ops.prepare("cpu"), "dense_bf16": dense.bf16_kernel_ready, "packed_int": packed_int.ready,
-        "cpu_paged": cpu_paged.load_kernel, "fw_packed": ops.load_packed_linear}
+        "cpu_paged": cpu_paged.load_kernel, "fw_packed": ops.load_packed_linear,
+        "step_program": step_program.unavailable}
 for name in sys.argv[1:]:
     load[name]()
 print(json.dumps({name: loader.origin(name) for name in sys.argv[1:]}))

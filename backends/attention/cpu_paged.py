@@ -103,6 +103,21 @@ class CpuPagedBackend(AttentionBackend):
                      self.logit_softcap)
         return out
 
+    step_input_names = ("slots", "tables", "lens")
+
+    @classmethod
+    def step_inputs(cls, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        rows: _Rows = meta.backend_state
+        return meta.slot_mapping, rows.tables, rows.lens
+
+    def emit_step(self, b, q, k, v, kv_cache: torch.Tensor):
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        b.call("fw_cpu_paged::store_kv", k, v, k_cache, v_cache, b.input("slots"))
+        out = b.empty(q)
+        b.call("fw_cpu_paged::decode", q, k_cache, v_cache, b.input("tables"), b.input("lens"), self.scale,
+               self.sliding_window or 0, self.logit_softcap or 0.0, out)
+        return out
+
 
 @hookimpl
 def fw_register_attention_backends(register) -> None:

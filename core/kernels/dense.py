@@ -143,6 +143,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, layout: DenseLayout,
     return F.linear(x, weight, bias)
 
 
+def emit_linear(b, x, weight: torch.Tensor, layout: DenseLayout, bias: torch.Tensor | None = None):
+    """`linear` as a step program's calls (fw.kernels.step_program) on a 2-D register x of the weight's dtype,
+    as the layers' products are: the op `linear` calls for that case."""
+    if layout is DenseLayout.BLOCKED:
+        return b.call("fw_dense::linear_bf16", x, weight, bias, False)
+    if layout is DenseLayout.GATE_UP:
+        if bias is not None:
+            raise ValueError("dense_linear: a weight packed with gate_up=True takes no bias")
+        return b.call("fw_dense::linear_bf16_gated", x, weight, False)
+    if layout is DenseLayout.ONEDNN and weight.is_mkldnn:  # its inputs are contiguous rows (a norm's, a product's)
+        return b.call("mkldnn::_linear_pointwise", x, weight, bias, "none", [], "")
+    return b.call("aten::linear", x, weight, bias)
+
+
+def emit_silu_mul(b, x, weight: torch.Tensor):
+    """`dense_silu_mul` as a step program's call."""
+    return b.call("fw_dense::linear_bf16_gated", x, weight, True)
+
+
 def logits(x: torch.Tensor, weight: torch.Tensor, layout: DenseLayout,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` for the output projection's logits: fw's bf16 kernel returns its fp32 sums unrounded; other

@@ -30,6 +30,7 @@ from fw import env
 from fw.kernels.loader import DEFAULT_CFLAGS, register_fake, try_load_cpp_ops
 from fw.kernels import weight_arena
 from fw.kernels.hardware import this_cpu_flags
+from fw.kernels.step_program import NotReplayable
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +224,34 @@ def layer_forward(layer, x: torch.Tensor) -> torch.Tensor:
     layer (`layer.whole_rows`) passes what its rank needs to choose heavy blocks as one process would."""
     out = packed_linear(x, layer.packed_int, fp32_out=layer.fp32_out, whole_rows=getattr(layer, "whole_rows", None))
     return out if layer.bias is None else out + layer.bias
+
+
+_OP_NAMES = {4: "fw_packed_int::linear_q4", 8: "fw_packed_int::linear_q8", "f8": "fw_packed_int::linear_f8"}
+
+
+def emit_layer(layer, b, x):
+    """`layer_forward` as a step program's calls (fw.kernels.step_program): the one-weight case on one rank,
+    which is the call `packed_linear` makes for the decode step's 2-D input."""
+    if len(layer.packed_int) != 1:
+        raise NotReplayable(f"{layer.prefix}: {len(layer.packed_int)} packed formats in one layer")
+    if getattr(layer, "whole_rows", None) is not None:
+        raise NotReplayable(f"{layer.prefix}: a tensor-parallel slice of the rows")
+    if layer.params_dtype not in (torch.float32, torch.bfloat16):
+        raise NotReplayable(f"{layer.prefix}: {layer.params_dtype} activations")
+    w = layer.packed_int[0]
+    out = b.call(_OP_NAMES[w.bits], x, w.data, w.rows, layer.fp32_out)
+    return out if layer.bias is None else b.call("aten::add.Tensor", out, layer.bias)
+
+
+class PackedIntSteps:
+    """For a quantization method whose `apply` runs `layer_forward` on layers it repacked (`layer.packed_int`):
+    its step program is that call (fw.layers.replay); its other layers are not replayed. Listed before
+    LinearMethod in the method's bases."""
+
+    def emit_step(self, layer, b, x):
+        if getattr(layer, "packed_int", None) is None:
+            raise NotReplayable(f"{layer.prefix}: {type(self).__name__} off fw's packed kernels")
+        return emit_layer(layer, b, x)
 
 
 RESIDUAL_MAX_ROWS = 8  # packed_int.cpp's: up to this many rows 4-bit products take the residual term

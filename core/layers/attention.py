@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fw.kernels.step_program import NotReplayable, replays
+
 
 @dataclass
 class AttentionMetadata:
@@ -71,6 +73,19 @@ class AttentionBackend:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Store k, v in the cache, return [T, H, D]."""
         raise NotImplementedError
 
+    # A backend whose `forward` a step program can replay (fw.layers.replay) names the per-step tensors its
+    # calls read (`step_inputs` returns them in that order) and records its calls in `emit_step`.
+    step_input_names: tuple[str, ...] = ()
+
+    @classmethod
+    def step_inputs(cls, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def emit_step(self, b, q, k, v, kv_cache: torch.Tensor):
+        """`forward` as a step program's calls on registers q, k, v ([T, H, D] and [T, Hkv, D] views); returns
+        the output register [T, H, D]. The default: this backend is not replayed."""
+        raise NotReplayable(f"attention backend {type(self).__name__} has no step program")
+
 
 class Attention(nn.Module):
     """The layer architectures use: owns a backend instance and its KV cache."""
@@ -103,3 +118,11 @@ class Attention(nn.Module):
             meta,
         )
         return out.reshape(t, self.num_heads * self.head_dim)
+
+    def emit_step(self, b, q, k, v):
+        """`forward` as a step program's calls (fw.layers.replay); q, k, v are [T, N * D] registers."""
+        replays(self, Attention)
+        out = self.impl.emit_step(b, b.view(q, self.num_heads, self.head_dim),
+                                  b.view(k, self.num_kv_heads, self.head_dim),
+                                  b.view(v, self.num_kv_heads, self.head_dim), self.kv_cache)
+        return b.view(out, self.num_heads * self.head_dim)

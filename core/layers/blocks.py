@@ -30,6 +30,8 @@ from fw.layers.context import ModelContext
 from fw.layers.norm import RMSNorm
 from fw.layers.parallel import ColumnParallelLinear, RowParallelLinear, split_heads
 from fw.kernels import cpu_ops
+from fw.kernels.step_program import NotReplayable, emit, replays
+from fw.layers import replay
 from fw.layers.rotary import RotaryEmbedding, rotate_heads_
 from fw.model.config import as_model_config
 
@@ -133,6 +135,21 @@ class SelfAttention(nn.Module):
         v = qkv[:, qk_end:]
         return self.o_proj.forward(self.attn.forward(q, k, v, meta))
 
+    def emit_step(self, b, x):
+        """`forward` as a step program's calls (fw.layers.replay): without q/k norms, rotary on fw's CPU op."""
+        replays(self, SelfAttention)
+        if self.q_norm is not None:
+            raise NotReplayable("q/k norms")
+        if not cpu_ops.ready():
+            raise NotReplayable("rotary off fw's fused CPU op")
+        qkv = emit(self.qkv_proj, b, x)
+        qk_end = self.q_size + self.kv_size
+        qk = b.narrow(qkv, 0, qk_end)
+        b.call("fw_cpu_ops::rotary", qk, b.input("cos"), b.input("sin"), self.head_dim)
+        q, k = b.narrow(qk, 0, self.q_size), b.narrow(qk, self.q_size, self.kv_size)
+        v = b.narrow(qkv, qk_end, self.kv_size)
+        return emit(self.o_proj, b, self.attn.emit_step(b, q, k, v))
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one projection. With tensor parallelism
@@ -164,6 +181,21 @@ class GatedMLP(nn.Module):
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj.forward(self.act(gate) * up)
 
+    def emit_step(self, b, x):
+        """`forward` as a step program's calls (fw.layers.replay): SiLU, in the product or fw's fused CPU op."""
+        replays(self, GatedMLP)
+        if not self.fusable:
+            raise NotReplayable("an MLP activation other than SiLU")
+        fused = self.gate_up_proj.method.emit_silu_step(self.gate_up_proj, b, x)
+        if fused is not None:
+            return emit(self.down_proj, b, fused)
+        if not cpu_ops.ready():
+            raise NotReplayable("SiLU off fw's fused CPU op")
+        gate_up = emit(self.gate_up_proj, b, x)
+        out = b.empty(gate_up, self.gate_up_proj.output_size // 2)
+        b.call("fw_cpu_ops::silu_mul", gate_up, out)
+        return emit(self.down_proj, b, out)
+
 
 class PreNormDecoderLayer(nn.Module):
     """attention, then MLP, each after its RMSNorm, with the residual carried from layer to layer so each
@@ -179,6 +211,18 @@ class PreNormDecoderLayer(nn.Module):
         x = self.self_attn.forward(x, cos_sin, meta)
         x, residual = self.post_attention_layernorm.forward(x, residual)
         return self.mlp.forward(x), residual
+
+    def emit_step(self, b, x, residual):
+        """`forward` as a step program's calls (fw.layers.replay)."""
+        replays(self, PreNormDecoderLayer)
+        if residual is None:
+            residual = x
+            x = emit(self.input_layernorm, b, x)
+        else:
+            x, residual = emit(self.input_layernorm, b, x, residual)
+        x = emit(self.self_attn, b, x)
+        x, residual = emit(self.post_attention_layernorm, b, x, residual)
+        return emit(self.mlp, b, x), residual
 
 
 class PostNormDecoderLayer(nn.Module):
@@ -215,6 +259,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary(positions)
-        for layer in self.layers:
-            x, residual = layer.forward(x, residual, cos_sin, meta)
+        replayed = replay.for_step(self, x, meta)  # the layers' calls from C++, on CPU (fw.layers.replay)
+        if replayed is not None:
+            x, residual = replayed.run(x, cos_sin, meta)
+        else:
+            for layer in self.layers:
+                x, residual = layer.forward(x, residual, cos_sin, meta)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fw.kernels import dense
+from fw.kernels.step_program import NotReplayable, replays
 from fw.kernels.dense import DenseLayout, blocked_bf16_buffer, blocked_layout, blocked_view, pack_dense, pack_rows_into
 
 
@@ -51,6 +52,16 @@ class LinearMethod:
 
     def weight_bytes(self, layer: "Linear") -> int:
         return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
+
+    def emit_step(self, layer: "Linear", b, x):
+        """`apply` as a step program's calls on register x (fw.layers.replay: the layers' calls replayed from
+        C++); returns the output's register. The default refuses: a method is replayed only where it says
+        how, with the very calls its `apply` makes."""
+        raise NotReplayable(f"{type(self).__name__} has no step program")
+
+    def emit_silu_step(self, layer: "Linear", b, x):
+        """`silu_mul` as a step program's calls; None where `silu_mul` returns None."""
+        return None
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -105,6 +116,14 @@ class UnquantizedLinearMethod(LinearMethod):
             return dense.dense_silu_mul(x, layer.weight)
         return None
 
+    def emit_step(self, layer: "Linear", b, x):
+        return dense.emit_linear(b, x, layer.weight, layer.dense_layout, layer.bias)
+
+    def emit_silu_step(self, layer: "Linear", b, x):
+        if layer.silu_gate_up and layer.dense_layout is DenseLayout.GATE_UP:
+            return dense.emit_silu_mul(b, x, layer.weight)
+        return None
+
 
 class Linear(nn.Module):
     """y = x W^T + b, with W owned by a `LinearMethod`."""
@@ -145,3 +164,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    def emit_step(self, b, x):
+        """`forward` as a step program's calls (fw.layers.replay): the method's."""
+        replays(self, Linear)
+        return self.method.emit_step(self, b, x)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.kernels import cpu_ops
+from fw.kernels.step_program import NotReplayable, replays
 
 Rounding = Literal["round_then_scale", "scale_then_round"]
 ROUNDINGS: tuple[str, ...] = ("round_then_scale", "scale_then_round")
@@ -54,6 +55,18 @@ class RMSNorm(nn.Module):
         else:
             out = (_rms_normalize(x.float(), self.eps) * (self.weight.float() + self.weight_offset)).to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def emit_step(self, b, x, residual=None):
+        """`forward` as a step program's calls (fw.layers.replay): the fused CPU op's path only."""
+        replays(self, RMSNorm)
+        if not (self.fused_ok and cpu_ops.ready()):
+            raise NotReplayable("an RMSNorm off fw's fused CPU op")
+        out = b.empty(x)
+        if residual is None:
+            b.call("fw_cpu_ops::rms_norm", x, self.weight, self.eps, self.weight_offset, out)
+            return out
+        b.call("fw_cpu_ops::add_rms_norm", x, residual, self.weight, self.eps, self.weight_offset, out)
+        return out, residual
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

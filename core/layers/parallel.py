@@ -23,6 +23,7 @@ import torch
 from fw.distributed.group import tensor_parallel_of
 from fw.errors import UnsupportedConfigurationError
 from fw.layers.gguf_weight import GGUFWeight
+from fw.kernels.step_program import NotReplayable, replays
 from fw.layers.linear import Linear, UnquantizedLinearMethod
 
 
@@ -153,3 +154,11 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self.method.apply(self, x)
         return self.tp.all_reduce(partial) if self.reduce_results else partial
+
+    def emit_step(self, b, x):
+        """`forward` as a step program's calls (fw.layers.replay), on one rank only: the program makes no
+        collective calls."""
+        replays(self, RowParallelLinear)
+        if self.tp.size > 1:
+            raise NotReplayable(f"tensor parallelism ({self.tp.size} ranks)")
+        return self.method.emit_step(self, b, x)

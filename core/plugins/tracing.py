@@ -186,6 +186,11 @@ def instrument(obj: Any, plugin: str, label: str, methods: Iterable[str],
     return obj
 
 
+def is_traced(obj: Any) -> bool:
+    """Whether `obj` (an instrumented object, a proxy, or an instance of a traced class) reports its calls."""
+    return isinstance(obj, _TracedProxy) or getattr(obj, _MARK, None) is not None
+
+
 def traced_class(cls: type, plugin: str, label: str, methods: Iterable[str],
                  class_methods: Iterable[str] = ()) -> type:
     """A subclass of `cls` whose `methods` (called on instances) and `class_methods` (called on the

@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from fw.kernels import cpu_ops, dense, loader, packed_int
+from fw.kernels import cpu_ops, dense, loader, packed_int, step_program
+from fw.layers.attention import AttentionBackend
 from fw.warm import resolve
 from fw.warm.artifact import WarmContext, WarmItem
 
@@ -83,3 +84,19 @@ def core_packed_int() -> CppOpsArtifact:
     """fw's packed-int kernels (fw.kernels.packed_int) for quantized weights, on a CPU with AVX512-VNNI."""
     return CppOpsArtifact("packed_int", packed_int.SOURCE, packed_int.DEFAULT_CFLAGS, owner="core",
                           applies=lambda context: cpu_target(context) and packed_int.wanted())
+
+
+def core_step_program() -> CppOpsArtifact:
+    """The C++ replay of the decoder layers' op calls (fw.kernels.step_program, fw.layers.replay), for CPU
+    steps on the fused ops with an attention backend that has a step program."""
+    def applies(context: WarmContext) -> bool:
+        if not (cpu_target(context) and step_program.wanted() and cpu_ops.wanted()):
+            return False
+        name = resolve.attention_backend(context)
+        if name is None:  # the model's files are not here yet: auto may choose one
+            return True
+        registry = context.plugins.registry("attention_backend")
+        return name in registry and registry.get(name).backend_cls.emit_step is not AttentionBackend.emit_step
+
+    return CppOpsArtifact("step_program", step_program._SOURCE, step_program.DEFAULT_CFLAGS, owner="core",
+                          applies=applies)

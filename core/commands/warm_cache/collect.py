@@ -19,7 +19,7 @@ from functools import partial
 
 from fw.commands.warm_cache.model import GgufTokenizerArtifact, ModelFilesArtifact, ModelRecordsArtifact
 from fw.warm.artifact import WarmArtifact, WarmContext
-from fw.warm.cpp import core_cpu_ops, core_dense_bf16, core_packed_int
+from fw.warm.cpp import core_cpu_ops, core_dense_bf16, core_packed_int, core_step_program
 
 logger = logging.getLogger("fw.warm")
 
@@ -40,7 +40,7 @@ def collect(context: WarmContext) -> list[Contribution]:
     out = [Contribution("core", ModelFilesArtifact()), Contribution("core", GgufTokenizerArtifact()),
            Contribution("core", ModelRecordsArtifact()),
            Contribution("core", core_cpu_ops()), Contribution("core", core_dense_bf16()),
-           Contribution("core", core_packed_int())]
+           Contribution("core", core_packed_int()), Contribution("core", core_step_program())]
     out += _from_plugins(context)
     out += _from_compile(context)
     out += _unclaimed_grammar_backends(context, out)
