@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 import dense_models
 import gguf_models
 from conftest import make_llm
-from fw import SamplingParams
+from fw import LoRARequest, SamplingParams
 from fw.kernels import cpu_ops, dense, packed_int, step_program
 from fw.kernels.step_program import NotReplayable, ProgramBuilder, replays
 from fw.layers import PreNormDecoderLayer, replay
@@ -141,6 +141,24 @@ def test_new_kv_caches_rebuild_the_program(monkeypatch, gqa_dir):
     assert _outputs(llm) == first
     rebuilt = model.__dict__[replay._ATTRIBUTE]
     assert rebuilt is not built and all(c is a.kv_cache for c, a in zip(rebuilt.caches, rebuilt.attention))
+
+
+def test_a_step_with_a_lora_adapter_after_replayed_steps_applies_it(monkeypatch, gqa_dir, tmp_path):
+    """LoRA swaps its methods in only for steps that run an adapter: a program built on a base step must not
+    serve them (it would drop the adapter's update)."""
+    from test_lora import make_adapter
+
+    make_adapter(gqa_dir, tmp_path / "a", seed=1)
+    lora = LoRARequest("a", str(tmp_path / "a"))
+    monkeypatch.setenv("FW_CPU_STEP_PROGRAM", "0")
+    want = [o.outputs[0].token_ids for o in make_llm(gqa_dir, enable_lora=True).generate(PROMPTS, GREEDY,
+                                                                                          lora_request=lora)]
+    monkeypatch.delenv("FW_CPU_STEP_PROGRAM")
+    llm = make_llm(gqa_dir, enable_lora=True)
+    base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert replay.status(_decoder(llm)) == "replayed"  # base steps run the layers' own methods
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=lora)] == want != base
+    assert "LoRALinearMethod" in replay.status(_decoder(llm))
 
 
 def test_a_backend_without_a_step_program_keeps_the_python_path(gqa_dir):

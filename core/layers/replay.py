@@ -6,7 +6,9 @@ Each layer class that can describes its own forward as the same op calls (`emit_
 keeps its Python forward for good, with the reason logged once. `emit_step` checks that the module's class
 did not override the `forward` it mirrors: a subclass with its own forward is never replayed as its parent.
 
-The program holds the KV cache tensors as constants; it is rebuilt when the runner binds new ones. It is
+The program holds the KV cache tensors and the linear methods' weights as constants; it is rebuilt when the
+runner binds new caches or a layer gets another method (LoRA swaps its methods in for steps with an adapter,
+which are not replayed). It is
 used on CPU only, never while torch.compile traces the forward (the compiled graph is the other way to leave
 Python), and `FW_CPU_STEP_PROGRAM=0` turns it off.
 """
@@ -22,6 +24,7 @@ from torch import nn
 from fw.kernels import cpu_ops, step_program
 from fw.kernels.step_program import NotReplayable, ProgramBuilder, Reg, emit
 from fw.layers.attention import Attention
+from fw.layers.linear import Linear
 from fw.plugins import tracing
 
 logger = logging.getLogger(__name__)
@@ -39,9 +42,14 @@ class ReplayedLayers:
     backend: type
     attention: list[Attention]
     caches: list[torch.Tensor]
+    linears: list[Linear]
+    methods: list[object]
 
     def current(self) -> bool:
-        return all(a.kv_cache is c for a, c in zip(self.attention, self.caches))
+        """Whether the model still has what the program was built from: its KV caches (the runner binds
+        them) and its linear methods (LoRA swaps them in for the steps that run an adapter)."""
+        return (all(a.kv_cache is c for a, c in zip(self.attention, self.caches))
+                and all(m.method is method for m, method in zip(self.linears, self.methods)))
 
     def run(self, x: torch.Tensor, cos_sin, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
         cos, sin = cos_sin
@@ -57,7 +65,7 @@ def for_step(model: nn.Module, x: torch.Tensor, meta) -> ReplayedLayers | None:
     state = model.__dict__.get(_ATTRIBUTE)
     if isinstance(state, ReplayedLayers) and state.current():
         return state
-    if isinstance(state, str):  # refused for good
+    if isinstance(state, str):  # refused for good (a method swapped back later is not worth a rebuild)
         return None
     attention = [m for m in model.modules() if isinstance(m, Attention)]
     if any(a.kv_cache is None for a in attention):  # not bound yet: the runner binds before its first step
@@ -99,4 +107,6 @@ def build(model: nn.Module, attention: list[Attention]) -> ReplayedLayers:
     for layer in model.layers:
         x, residual = emit(layer, b, x, residual)
     results = [x] if residual is None else [x, residual]
-    return ReplayedLayers(b, results, backend, attention, [a.kv_cache for a in attention])
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    return ReplayedLayers(b, results, backend, attention, [a.kv_cache for a in attention], linears,
+                          [m.method for m in linears])
