@@ -161,6 +161,39 @@ def test_a_step_with_a_lora_adapter_after_replayed_steps_applies_it(monkeypatch,
     assert "LoRALinearMethod" in replay.status(_decoder(llm))
 
 
+def test_a_compiled_models_attention_stand_in_keeps_the_python_path(gqa_dir):
+    """torch.compile's stand-in for a backend (fw.compile.traceable) is not an AttentionBackend: the eager steps
+    of a compiled model run the Python loop, which reaches the backend through it."""
+    from fw.compile.traceable import OpaqueAttention
+    from fw.layers.attention import Attention
+
+    llm = make_llm(gqa_dir)
+    want = _outputs(llm)
+    model = _decoder(llm)
+    for i, attention in enumerate(m for m in model.modules() if isinstance(m, Attention)):
+        attention.impl = OpaqueAttention(f"layer{i}", attention.impl)
+    model.__dict__.pop(replay._ATTRIBUTE)
+    assert _outputs(llm) == want
+    assert replay.status(model) == "attention backend OpaqueAttention has no step program"
+
+
+def test_an_emit_step_that_breaks_leaves_the_python_path_with_a_warning(monkeypatch, gqa_dir, caplog):
+    from fw.layers import GatedMLP
+
+    monkeypatch.setenv("FW_CPU_STEP_PROGRAM", "0")
+    want = _outputs(make_llm(gqa_dir))
+    monkeypatch.delenv("FW_CPU_STEP_PROGRAM")
+
+    def broken(self, b, x):
+        raise TypeError("a bug in a layer's emit_step")
+
+    monkeypatch.setattr(GatedMLP, "emit_step", broken)
+    llm = make_llm(gqa_dir)
+    assert _outputs(llm) == want
+    assert replay.status(_decoder(llm)) == "recording the step program failed: TypeError: a bug in a layer's emit_step"
+    assert "decoder layers run in Python" in caplog.text
+
+
 def test_a_backend_without_a_step_program_keeps_the_python_path(gqa_dir):
     llm = make_llm(gqa_dir, attention_backend="sdpa")
     llm.generate(PROMPTS[:1], GREEDY)

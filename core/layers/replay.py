@@ -23,7 +23,7 @@ from torch import nn
 
 from fw.kernels import cpu_ops, step_program
 from fw.kernels.step_program import NotReplayable, ProgramBuilder, Reg, emit
-from fw.layers.attention import Attention
+from fw.layers.attention import Attention, AttentionBackend
 from fw.layers.linear import Linear
 from fw.plugins import tracing
 
@@ -77,6 +77,9 @@ def for_step(model: nn.Module, x: torch.Tensor, meta) -> ReplayedLayers | None:
     except NotReplayable as exc:
         state = str(exc)
         logger.debug("%s: decoder layers run in Python: %s", type(model).__name__, exc)
+    except Exception as exc:  # noqa: BLE001  (an emit_step's bug: the Python forward is always right)
+        state = f"recording the step program failed: {type(exc).__name__}: {exc}"
+        logger.warning("%s: decoder layers run in Python (%s)", type(model).__name__, state)
     model.__dict__[_ATTRIBUTE] = state  # a plain attribute: not a submodule, not part of the state dict
     return state if isinstance(state, ReplayedLayers) else None
 
@@ -102,6 +105,9 @@ def build(model: nn.Module, attention: list[Attention]) -> ReplayedLayers:
     if len(backends) != 1:
         raise NotReplayable(f"{len(backends)} attention backends in one model")
     backend = backends.pop()
+    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)
+            and backend.emit_step is not AttentionBackend.emit_step):  # torch.compile's stand-in is neither
+        raise NotReplayable(f"attention backend {getattr(backend, '__name__', backend)} has no step program")
     b = ProgramBuilder(("x", "cos", "sin", *backend.step_input_names))
     x, residual = b.input("x"), None
     for layer in model.layers:
