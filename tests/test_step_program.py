@@ -35,9 +35,12 @@ def test_a_program_makes_the_calls_it_recorded():
     out = b.empty(flat, 4)
     assert b.call("fw_cpu_ops::silu_mul", flat, out) is None  # writes into `out`, returns nothing
     largest = b.call("aten::amax", y, [], False)  # an empty list: typed as the op takes it (all dims)
+    heads = b.reshape(b.narrow(y, 2, 4), -1, 2)  # a copy: a column slice cannot be viewed so
+    back = b.view(heads, -1, rows_of=b.input("x"))
     x, w = torch.randn(3, 5), torch.randn(5, 8)
-    got_y, got_out, got_max = step_program.run(b, [x, w], [y, out, largest])
+    got_y, got_out, got_max, got_back = step_program.run(b, [x, w], [y, out, largest, back])
     want = x @ w + 1
+    assert torch.equal(got_back, (x @ w)[:, 2:6]) and got_back.is_contiguous()
     assert torch.equal(got_y, x @ w)
     assert torch.allclose(got_out, torch.nn.functional.silu(want[:, :4]) * want[:, 4:])
     assert torch.equal(got_max, (x @ w).amax())
@@ -102,11 +105,11 @@ def test_dense_layers_replayed_give_the_python_paths_numbers(monkeypatch, gqa_di
     _same_as_python(monkeypatch, lambda: make_llm(gqa_dir, dtype=dtype))
 
 
-@pytest.mark.parametrize("family, replayed", [("qwen2", True), ("mistral", True), ("qwen3", False),
+@pytest.mark.parametrize("family, replayed", [("qwen2", True), ("mistral", True), ("qwen3", True),
                                               ("gemma", False), ("gemma2", False)])
 def test_other_families_replay_or_say_why_not(monkeypatch, tmp_path, tokenizer, family, replayed):
-    """Qwen2 (biases, a window on some layers) and Mistral (a window) replay; Qwen3's q/k norms and Gemma's
-    own layers keep the Python loop."""
+    """Qwen2 (biases, a window on some layers), Mistral (a window) and Qwen3 (q/k norms per head) replay;
+    Gemma's own layers keep the Python loop."""
     path = dense_models.build(family, tokenizer, tmp_path / family)
     if replayed:
         _same_as_python(monkeypatch, lambda: make_llm(path))

@@ -4,8 +4,9 @@
 // torch.ops' Python wrapper, ~75 us a layer against ~100 us of kernels); replaying the same calls through
 // the dispatcher leaves a few microseconds a layer. A program is a list of instructions over registers:
 // CALL an op (any registered op, arguments constants or registers, its returns into registers), NARROW a
-// register's columns, VIEW it as [rows, dims...], EMPTY a [rows, cols] tensor like a register's. The rows
-// of every view and new tensor are the step's own (a register's size(0)), so one program serves any batch.
+// register's columns, VIEW it as [rows, dims...], RESHAPE it, EMPTY a [rows, cols] tensor like a register's.
+// The rows of every view and new tensor are the step's own (a register's size(0)), so one program serves any
+// batch.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -17,7 +18,7 @@
 
 namespace {
 
-enum class Kind { Call, Narrow, View, Empty };
+enum class Kind { Call, Narrow, View, Reshape, Empty };
 
 constexpr int64_t kEmptyList = -2;  // in `arg_regs`: the argument is an empty list
 
@@ -29,7 +30,8 @@ struct Instruction {
   std::vector<int64_t> outs;               // Call: the registers its returns go to; others: outs[0]
   int64_t src = -1;                        // Narrow, View, Empty: the register read
   int64_t start = 0, length = 0;           // Narrow: columns [start, start + length); Empty: length = cols
-  std::vector<int64_t> shape;              // View: the dims after the rows
+  std::vector<int64_t> shape;              // View: the dims after the rows; Reshape: the whole shape
+  int64_t rows_of = -1;                    // View: the register whose size(0) is the rows (-1: src's own)
 };
 
 struct StepProgram : torch::CustomClassHolder {
@@ -81,9 +83,21 @@ struct StepProgram : torch::CustomClassHolder {
     return out;
   }
 
-  int64_t view(int64_t src, std::vector<int64_t> shape) {
+  // src.view(rows, shape...), the rows those of register `rows_of` (-1: src's own)
+  int64_t view(int64_t src, std::vector<int64_t> shape, int64_t rows_of) {
     check_reg(src);
+    if (rows_of != -1) check_reg(rows_of);
     Instruction in{Kind::View};
+    in.src = src, in.shape = std::move(shape), in.rows_of = rows_of, in.outs = {num_regs++};
+    int64_t out = in.outs[0];
+    code.push_back(std::move(in));
+    return out;
+  }
+
+  // src.reshape(shape): a view where the strides allow one, else a copy (as torch's reshape)
+  int64_t reshape(int64_t src, std::vector<int64_t> shape) {
+    check_reg(src);
+    Instruction in{Kind::Reshape};
     in.src = src, in.shape = std::move(shape), in.outs = {num_regs++};
     int64_t out = in.outs[0];
     code.push_back(std::move(in));
@@ -121,11 +135,14 @@ struct StepProgram : torch::CustomClassHolder {
           break;
         case Kind::View: {
           const auto& t = regs[in.src].toTensor();
-          std::vector<int64_t> shape{t.size(0)};
+          std::vector<int64_t> shape{(in.rows_of < 0 ? t : regs[in.rows_of].toTensor()).size(0)};
           shape.insert(shape.end(), in.shape.begin(), in.shape.end());
           regs[in.outs[0]] = t.view(shape);
           break;
         }
+        case Kind::Reshape:
+          regs[in.outs[0]] = regs[in.src].toTensor().reshape(in.shape);
+          break;
         case Kind::Empty: {
           const auto& t = regs[in.src].toTensor();
           regs[in.outs[0]] = in.length < 0 ? at::empty(t.sizes(), t.options())
@@ -163,6 +180,7 @@ TORCH_LIBRARY(fw_step, m) {
       .def("call", &StepProgram::call)
       .def("narrow", &StepProgram::narrow)
       .def("view", &StepProgram::view)
+      .def("reshape", &StepProgram::reshape)
       .def("empty", &StepProgram::empty)
       .def("instructions", &StepProgram::instructions);
   // an op rather than a method: torch.ops calls release the GIL while the step runs, as the kernels' calls do

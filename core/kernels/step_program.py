@@ -7,8 +7,8 @@ arguments, and `run` makes them through the dispatcher: the numbers are the Pyth
 A program works on registers: its inputs (named when it is built, passed in that order to `run`), and every
 op's returns. `call` takes an op by its qualified name ("namespace::name" or "namespace::name.overload") and
 its arguments: registers (`Reg`) or constants (tensors, numbers, lists, None), the op's schema defaults
-filled in for the ones left out. `narrow`, `view` and `empty` are the few tensor shapes a layer needs between
-calls, made in C++ for the step's own number of rows.
+filled in for the ones left out. `narrow`, `view`, `reshape` and `empty` are the few tensor shapes a layer
+needs between calls, made in C++ for the step's own number of rows.
 """
 
 from __future__ import annotations
@@ -89,9 +89,13 @@ class ProgramBuilder:
         """Columns [start, start + length) of a 2-D register (a view, as `x[:, start:start + length]`)."""
         return Reg(self.program.narrow(src, start, length))
 
-    def view(self, src: Reg, *dims: int) -> Reg:
-        """`src.view(rows, *dims)`."""
-        return Reg(self.program.view(src, list(dims)))
+    def view(self, src: Reg, *dims: int, rows_of: Reg | None = None) -> Reg:
+        """`src.view(rows, *dims)`, the rows those of `rows_of` (default: `src`'s own)."""
+        return Reg(self.program.view(src, list(dims), -1 if rows_of is None else rows_of))
+
+    def reshape(self, src: Reg, *shape: int) -> Reg:
+        """`src.reshape(*shape)`: a view where the strides allow one, else a copy."""
+        return Reg(self.program.reshape(src, list(shape)))
 
     def empty(self, like: Reg, cols: int = -1) -> Reg:
         """A new contiguous tensor of `like`'s dtype: [rows, cols], or `like`'s shape when `cols` is -1."""

@@ -136,17 +136,25 @@ class SelfAttention(nn.Module):
         return self.o_proj.forward(self.attn.forward(q, k, v, meta))
 
     def emit_step(self, b, x):
-        """`forward` as a step program's calls (fw.layers.replay): without q/k norms, rotary on fw's CPU op."""
+        """`forward` as a step program's calls (fw.layers.replay), rotary on fw's CPU op."""
         replays(self, SelfAttention)
-        if self.q_norm is not None:
-            raise NotReplayable("q/k norms")
         if not cpu_ops.ready():
             raise NotReplayable("rotary off fw's fused CPU op")
         qkv = emit(self.qkv_proj, b, x)
-        qk_end = self.q_size + self.kv_size
-        qk = b.narrow(qkv, 0, qk_end)
-        b.call("fw_cpu_ops::rotary", qk, b.input("cos"), b.input("sin"), self.head_dim)
-        q, k = b.narrow(qk, 0, self.q_size), b.narrow(qk, self.q_size, self.kv_size)
+        qk_end, d = self.q_size + self.kv_size, self.head_dim
+        cos, sin = b.input("cos"), b.input("sin")
+        if self.q_norm is None:
+            qk = b.narrow(qkv, 0, qk_end)
+            b.call("fw_cpu_ops::rotary", qk, cos, sin, d)
+            q, k = b.narrow(qk, 0, self.q_size), b.narrow(qk, self.q_size, self.kv_size)
+        elif self.qk_norm_full:  # OLMo 2's, whose post-norm layers are not replayed either
+            raise NotReplayable("q/k norms over all heads")
+        else:  # per head: [T * heads, d] through the norm, back to [T, heads * d]
+            q, k = b.narrow(qkv, 0, self.q_size), b.narrow(qkv, self.q_size, self.kv_size)
+            q = b.view(emit(self.q_norm, b, b.reshape(q, -1, d)), -1, rows_of=x)
+            k = b.view(emit(self.k_norm, b, b.reshape(k, -1, d)), -1, rows_of=x)
+            b.call("fw_cpu_ops::rotary", q, cos, sin, d)
+            b.call("fw_cpu_ops::rotary", k, cos, sin, d)
         v = b.narrow(qkv, qk_end, self.kv_size)
         return emit(self.o_proj, b, self.attn.emit_step(b, q, k, v))
 
