@@ -353,7 +353,7 @@ class GGUFLinearMethod(LinearMethod):
 
     def silu_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
         # fw's bf16 kernel fuses the activation where the dequantized weight was packed for it
-        if layer.dense and layer.silu_gate_up and layer.dense_layout is DenseLayout.GATE_UP:
+        if layer.dense and dense.fuses_silu(layer):
             return dense.dense_silu_mul(x, layer.weight)
         return None
 
@@ -365,7 +365,7 @@ class GGUFLinearMethod(LinearMethod):
         return super().emit_step(layer, b, x)  # dequantized per product: not replayed
 
     def emit_silu_step(self, layer: Linear, b, x):
-        if layer.dense and layer.silu_gate_up and layer.dense_layout is DenseLayout.GATE_UP:
+        if layer.dense and dense.fuses_silu(layer):
             return dense.emit_silu_mul(b, x, layer.weight)
         return None
 

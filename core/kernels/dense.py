@@ -157,6 +157,11 @@ def emit_linear(b, x, weight: torch.Tensor, layout: DenseLayout, bias: torch.Ten
     return b.call("aten::linear", x, weight, bias)
 
 
+def fuses_silu(layer) -> bool:
+    """Whether a SiLU MLP's gate/up layer had its dense weight packed with the SiLU fused (`dense_silu_mul`)."""
+    return layer.silu_gate_up and layer.dense_layout is DenseLayout.GATE_UP
+
+
 def emit_silu_mul(b, x, weight: torch.Tensor):
     """`dense_silu_mul` as a step program's call."""
     return b.call("fw_dense::linear_bf16_gated", x, weight, True)

@@ -13,7 +13,6 @@ needs between calls, made in C++ for the step's own number of rows.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,6 @@ import torch
 
 from fw import env
 from fw.kernels.loader import DEFAULT_CFLAGS, try_load_cpp_ops
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("step_program.cpp")  # package data
 

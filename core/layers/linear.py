@@ -112,7 +112,7 @@ class UnquantizedLinearMethod(LinearMethod):
         return dense.linear(x, layer.weight, layer.dense_layout, layer.bias)
 
     def silu_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor | None:
-        if layer.silu_gate_up and layer.dense_layout is DenseLayout.GATE_UP:  # packed for it at load
+        if dense.fuses_silu(layer):  # packed for it at load
             return dense.dense_silu_mul(x, layer.weight)
         return None
 
@@ -120,7 +120,7 @@ class UnquantizedLinearMethod(LinearMethod):
         return dense.emit_linear(b, x, layer.weight, layer.dense_layout, layer.bias)
 
     def emit_silu_step(self, layer: "Linear", b, x):
-        if layer.silu_gate_up and layer.dense_layout is DenseLayout.GATE_UP:
+        if dense.fuses_silu(layer):
             return dense.emit_silu_mul(b, x, layer.weight)
         return None
 

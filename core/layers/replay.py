@@ -8,9 +8,8 @@ did not override the `forward` it mirrors: a subclass with its own forward is ne
 
 The program holds the KV cache tensors and the linear methods' weights as constants; it is rebuilt when the
 runner binds new caches or a layer gets another method (LoRA swaps its methods in for steps with an adapter,
-which are not replayed). It is
-used on CPU only, never while torch.compile traces the forward (the compiled graph is the other way to leave
-Python), and `FW_CPU_STEP_PROGRAM=0` turns it off.
+which are not replayed). It is used on CPU only, never while torch.compile traces the forward (the compiled
+graph is the other way to leave Python), and `FW_CPU_STEP_PROGRAM=0` turns it off.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ _ATTRIBUTE = "_fw_step_program"  # on the model: a ReplayedLayers, or the reason
 @dataclass
 class ReplayedLayers:
     """The program of a model's decoder layers, the attention backend that feeds its step inputs, and the
-    KV caches it was built with."""
+    KV caches and linear methods it was built with."""
 
     builder: ProgramBuilder
     results: list[Reg]
@@ -92,27 +91,32 @@ def status(model: nn.Module) -> str:
     return "replayed" if isinstance(state, ReplayedLayers) else state
 
 
+def has_step_program(backend: object) -> bool:
+    """Whether layers on this attention backend class can be replayed: an AttentionBackend that overrides
+    `emit_step` (torch.compile's stand-in for a backend is not an AttentionBackend at all)."""
+    return (isinstance(backend, type) and issubclass(backend, AttentionBackend)
+            and backend.emit_step is not AttentionBackend.emit_step)
+
+
 def build(model: nn.Module, attention: list[Attention]) -> ReplayedLayers:
     """The program of `model.layers`, each layer given (x, residual) and returning them, as in the Python loop."""
     if not step_program.wanted():
         raise NotReplayable("FW_CPU_STEP_PROGRAM=0")
     if not cpu_ops.ready():
         raise NotReplayable("fw's fused CPU ops are not loaded")
-    plugin_objects = [a.impl for a in attention] + [m.method for m in model.modules() if hasattr(m, "method")]
-    if any(tracing.is_traced(obj) for obj in plugin_objects):
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if any(tracing.is_traced(obj) for obj in [*(a.impl for a in attention), *(m.method for m in linears)]):
         raise NotReplayable("plugin calls are traced (FW_TRACE_PLUGINS): each is made from Python")
     backends = {type(a.impl) for a in attention}
     if len(backends) != 1:
         raise NotReplayable(f"{len(backends)} attention backends in one model")
     backend = backends.pop()
-    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)
-            and backend.emit_step is not AttentionBackend.emit_step):  # torch.compile's stand-in is neither
+    if not has_step_program(backend):
         raise NotReplayable(f"attention backend {getattr(backend, '__name__', backend)} has no step program")
     b = ProgramBuilder(("x", "cos", "sin", *backend.step_input_names))
     x, residual = b.input("x"), None
     for layer in model.layers:
         x, residual = emit(layer, b, x, residual)
     results = [x] if residual is None else [x, residual]
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
     return ReplayedLayers(b, results, backend, attention, [a.kv_cache for a in attention], linears,
                           [m.method for m in linears])

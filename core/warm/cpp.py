@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from fw.kernels import cpu_ops, dense, loader, packed_int, step_program
-from fw.layers.attention import AttentionBackend
+from fw.layers import replay
 from fw.warm import resolve
 from fw.warm.artifact import WarmContext, WarmItem
 
@@ -96,7 +96,7 @@ def core_step_program() -> CppOpsArtifact:
         if name is None:  # the model's files are not here yet: auto may choose one
             return True
         registry = context.plugins.registry("attention_backend")
-        return name in registry and registry.get(name).backend_cls.emit_step is not AttentionBackend.emit_step
+        return name in registry and replay.has_step_program(registry.get(name).backend_cls)
 
     return CppOpsArtifact("step_program", step_program._SOURCE, step_program.DEFAULT_CFLAGS, owner="core",
                           applies=applies)
