@@ -64,6 +64,30 @@ def test_greedy_tokens_and_logprobs_match_transformers(llm: LLM, hf_model) -> No
         assert max(abs(a - b) for a, b in zip(actual, expected)) < 1e-3
 
 
+def test_the_default_path_answers_the_same_alone_cached_and_batched() -> None:
+    """The default path (the Q4_1 file kept packed on AVX512-VNNI CPUs: fw's int8-activation kernels; dense
+    elsewhere): a greedy request's tokens and logprobs are the same alone, again once its prompt's pages are
+    cached (the rest of the prompt is then a 5-row step), and among 12 other requests. Until 2026-11-26 4-bit
+    products took the second int8 term in every block up to 8 rows and in heavy blocks only above, so the
+    cached-prefix step answered "L'Étoile, la Marseillaise, ..." here (its first token is a near tie)."""
+    llm = LLM(str(GGUF), dtype="bfloat16", kv_cache_memory="128MiB")
+    question = llm.apply_chat_template(QUESTION)
+    greedy = SamplingParams(max_tokens=20, temperature=0, logprobs=3)
+
+    def answer(out) -> tuple:
+        return out.outputs[0].token_ids, out.outputs[0].logprobs
+
+    alone = answer(llm.generate([question], greedy)[0])
+    cached = answer(llm.generate([question], greedy)[0])
+    others = [llm.apply_chat_template([{"role": "user", "content": f"Name {i + 2} animals."}]) for i in range(12)]
+    outs = llm.generate([*others[:6], question, *others[6:]],
+                        [SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(6)] + [greedy]
+                        + [SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(6, 12)])
+    assert "Paris" in llm.tokenizer.decode(alone[0])
+    assert cached == alone
+    assert answer(outs[6]) == alone
+
+
 def test_cli_generate_chat_answers_paris() -> None:
     env = {**os.environ, "FW_KV_CACHE_MEMORY": "128MiB"}
     proc = subprocess.run(

@@ -25,10 +25,10 @@
 //
 // Activations: each row's block of 32 is quantized to int8 with scale amax / 127 (round to nearest even),
 // and its code sum kept, as llama.cpp's Q8_1; a row's heavy blocks (mark_heavy_blocks), where outlier channels
-// make one term's rounding coarse, take the rounding residual as a second int8 term. 4-bit products of at most
-// RESIDUAL_MAX_ROWS rows, where the product waits on memory anyway, take it in every block. 8-bit products
-// choose by row alone at any size, so a row's result does not depend on how many rows share the step (an LM
-// head's logits in a padded compiled step equal the eager step's). Then, per row and block, exactly in int32:
+// make one term's rounding coarse, take the rounding residual as a second int8 term. Products choose those
+// blocks by the row alone at any size, so a row's result does not depend on how many rows share the step: a
+// request answers the same alone, batched, or after a cached prefix (an LM head's logits in a padded compiled
+// step equal the eager step's). Then, per row and block, exactly in int32:
 //   q4: sum_k (d q_k + m) x_k ~ dx (d sum(q_k xq_k) + m sum(xq_k))
 //   q8: vpdpbusd takes unsigned x bytes: xq + 128, and sum((xq + 128) q) - 128 sum(q) = sum(xq q).
 //   f8: activations rounded to bf16 (exact when they are bf16), each e4m3 code widened exactly to bf16 by a
@@ -66,22 +66,18 @@ constexpr int64_t Q8_RECORD = 576;
 constexpr int64_t F8_RECORD = 576;
 constexpr int64_t PREFETCH_AHEAD = 4608;  // bytes: records are requested this far ahead of the one in use
 
-// Q4, Q8: 4-bit / 8-bit weights, activations in one int8 term but two in each row's heavy blocks; Q4R: two
-// terms everywhere (few rows); Q8R: Q8's products without a branch (few rows).
-enum class Kind { Q4, Q4R, Q8, Q8R, F8 };
+// Q4, Q8: 4-bit / 8-bit weights, activations in one int8 term but two in each row's heavy blocks; Q8B: Q8's
+// products without a branch (few rows).
+enum class Kind { Q4, Q8, Q8B, F8 };
 
-constexpr int64_t RESIDUAL_MAX_ROWS = 8;  // up to here 4-bit products take the residual term (memory-bound)
 constexpr int64_t BRANCHLESS_MAX_ROWS = 4;  // up to here 8-bit products run both terms and keep one by a mask
-constexpr double HEAVY_FACTOR = 3.0;  // above RESIDUAL_MAX_ROWS, blocks this far above a row's mean take it too
+constexpr double HEAVY_FACTOR = 3.0;  // a row's blocks this far above its mean take the residual term
 
 constexpr int64_t record_bytes(Kind kind) {
-  return kind == Kind::Q4 || kind == Kind::Q4R ? Q4_RECORD : kind == Kind::F8 ? F8_RECORD : Q8_RECORD;
+  return kind == Kind::Q4 ? Q4_RECORD : kind == Kind::F8 ? F8_RECORD : Q8_RECORD;
 }
 
-constexpr int MR = 8;               // activation rows per pass over a tile's blocks, at most
-
-// Rows per pass: 8 keep the weights in registers for more rows; two-term products hold two integer sums a row.
-constexpr int rows_per_pass(Kind kind) { return kind == Kind::Q4R ? 4 : 8; }
+constexpr int MR = 8;               // activation rows per pass over a tile's blocks: the weights stay in registers
 
 bool available() {
 #ifdef FW_PACKED_INT
@@ -191,10 +187,11 @@ inline void prefetch_record(const uint8_t* p) {
 
 // One tile (16 output rows) times `rows` (1..MR) activation rows, over all KB blocks: acc[r] = 16 row sums.
 // Each row comes as two int8 terms (quantize_rows' residual): quantized rows 2r and 2r + 1 with scales s and
-// s / 254; with SELECTIVE only the row's heavy blocks take the second. Their integer sums S1 and S2 combine
-// exactly in int32 as 254 S1 + S2 (at most 254 * 60,960 + 60,960 in size), so a row costs one conversion and
-// one scale, times s / 254.
-template <int ROWS, bool SELECTIVE>
+// s / 254, the second taken in the row's heavy blocks only. Their integer sums S1 and S2 combine exactly in
+// int32 as 254 S1 + S2 (at most 254 * 60,960 + 60,960 in size), so a row costs one conversion and one scale,
+// times s / 254. The branch, unlike 8-bit products', costs decode nothing measurable, and saves larger steps
+// the light blocks' second term (docs/performance.md).
+template <int ROWS>
 void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
   const QuantizedRows& a = *acts.q;
   const int64_t K = acts.K;
@@ -214,7 +211,7 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
       const int64_t row = 2 * (m0 + r);  // the row's first term; its residual follows it
       const int32_t* x1 = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * BLOCK);
       const int64_t ib1 = row * KB + b;
-      if (!SELECTIVE || a.heavy[size_t((m0 + r) * KB + b)]) {
+      if (a.heavy[size_t((m0 + r) * KB + b)]) {
         const int32_t* x2 = x1 + K / 4;
         __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j) {
@@ -240,7 +237,7 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
   }
 }
 
-// As q4_tile with SELECTIVE, for 8-bit weights: unsigned activation codes (int8 + 128) times signed weights,
+// As q4_tile, for 8-bit weights: unsigned activation codes (int8 + 128) times signed weights,
 // corrected by 128 * sum(q) per weight row; two terms 254 * S1 + S2 in the row's heavy blocks. BRANCHLESS (few
 // rows, memory-bound): every block computes both terms and keeps the second's by a mask, the same result bit for
 // bit as the branch, which cost decode a third of its bandwidth (docs/performance.md).
@@ -353,10 +350,9 @@ void f8_tile(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512*
 
 template <int ROWS, Kind KIND>
 void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc) {
-  if constexpr (KIND == Kind::Q4) q4_tile<ROWS, true>(tile, KB, a, m0, acc);
-  else if constexpr (KIND == Kind::Q4R) q4_tile<ROWS, false>(tile, KB, a, m0, acc);
+  if constexpr (KIND == Kind::Q4) q4_tile<ROWS>(tile, KB, a, m0, acc);
   else if constexpr (KIND == Kind::Q8) q8_tile<ROWS, false>(tile, KB, a, m0, acc);
-  else if constexpr (KIND == Kind::Q8R) q8_tile<ROWS, true>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::Q8B) q8_tile<ROWS, true>(tile, KB, a, m0, acc);
 #ifdef FW_PACKED_F8
   else f8_tile<ROWS>(tile, KB, a, m0, acc);
 #endif
@@ -373,13 +369,13 @@ void run(const Acts& a, const uint8_t* w, int64_t M, int64_t N, bool fp32_out, v
       const uint8_t* tile = w + t * tile_bytes;
       const int64_t n0 = t * TILE;
       const __mmask16 mask = N - n0 >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
-      for (int64_t m0 = 0; m0 < M; m0 += rows_per_pass(KIND)) {
-        const int rows = int(std::min<int64_t>(rows_per_pass(KIND), M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int rows = int(std::min<int64_t>(MR, M - m0));
         switch (rows) {
-          case 8: if constexpr (rows_per_pass(KIND) >= 8) tile_rows<8, KIND>(tile, KB, a, m0, acc); break;
-          case 7: if constexpr (rows_per_pass(KIND) >= 7) tile_rows<7, KIND>(tile, KB, a, m0, acc); break;
-          case 6: if constexpr (rows_per_pass(KIND) >= 6) tile_rows<6, KIND>(tile, KB, a, m0, acc); break;
-          case 5: if constexpr (rows_per_pass(KIND) >= 5) tile_rows<5, KIND>(tile, KB, a, m0, acc); break;
+          case 8: tile_rows<8, KIND>(tile, KB, a, m0, acc); break;
+          case 7: tile_rows<7, KIND>(tile, KB, a, m0, acc); break;
+          case 6: tile_rows<6, KIND>(tile, KB, a, m0, acc); break;
+          case 5: tile_rows<5, KIND>(tile, KB, a, m0, acc); break;
           case 4: tile_rows<4, KIND>(tile, KB, a, m0, acc); break;
           case 3: tile_rows<3, KIND>(tile, KB, a, m0, acc); break;
           case 2: tile_rows<2, KIND>(tile, KB, a, m0, acc); break;
@@ -446,8 +442,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
-  const Kind run_kind = kind == Kind::Q4 && M <= RESIDUAL_MAX_ROWS ? Kind::Q4R
-                        : kind == Kind::Q8 && M <= BRANCHLESS_MAX_ROWS ? Kind::Q8R : kind;
+  const Kind run_kind = kind == Kind::Q8 && M <= BRANCHLESS_MAX_ROWS ? Kind::Q8B : kind;
   thread_local QuantizedRows q;  // reused: a decode step calls this ~120 times with the same sizes
   thread_local std::vector<uint16_t> rounded;
   Acts a;
@@ -459,24 +454,21 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
     if (x.scalar_type() == at::kFloat)
       quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, q);
     else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, q);
-    if (run_kind == Kind::Q4 || run_kind == Kind::Q8 || run_kind == Kind::Q8R) {
-      const double* whole = nullptr;
-      if (whole_row_squares.has_value()) {
-        const at::Tensor& t = *whole_row_squares;
-        TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 1 && t.size(0) == M && t.is_contiguous(), op,
-                    ": whole_row_squares must be a contiguous float64 vector of one value per row of x");
-        TORCH_CHECK(whole_row_blocks >= K / BLOCK, op, ": whole_row_blocks must count the whole row's blocks");
-        whole = t.const_data_ptr<double>();
-      }
-      mark_heavy_blocks(M, K / BLOCK, q, whole, whole_row_blocks);
+    const double* whole = nullptr;
+    if (whole_row_squares.has_value()) {
+      const at::Tensor& t = *whole_row_squares;
+      TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 1 && t.size(0) == M && t.is_contiguous(), op,
+                  ": whole_row_squares must be a contiguous float64 vector of one value per row of x");
+      TORCH_CHECK(whole_row_blocks >= K / BLOCK, op, ": whole_row_blocks must count the whole row's blocks");
+      whole = t.const_data_ptr<double>();
     }
+    mark_heavy_blocks(M, K / BLOCK, q, whole, whole_row_blocks);
     a.q = &q;
   }
   const bool write_fp32 = out.scalar_type() == at::kFloat;
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
-  if (run_kind == Kind::Q4R) run<Kind::Q4R>(a, wp, M, N, write_fp32, out.data_ptr());
-  else if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
-  else if (run_kind == Kind::Q8R) run<Kind::Q8R>(a, wp, M, N, write_fp32, out.data_ptr());
+  if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (run_kind == Kind::Q8B) run<Kind::Q8B>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
   else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());

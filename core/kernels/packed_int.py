@@ -5,14 +5,13 @@
 Why one family: GGUF Q4_0/Q4_1, GPTQ and AWQ 4-bit are all 4-bit groups with a scale and a zero or min, and
 GGUF Q8_0 and row-wise int8 are 8-bit blocks with a scale; a quantization method converts its format to
 `QuantBlocks` once at load, `pack` lays it out for the kernel, and `packed_linear` runs it. The activations
-are quantized to int8 per block of 32 inside the kernel (W8A8 and W4A8, as llama.cpp's CPU path). For 4-bit
-weights and at most RESIDUAL_MAX_ROWS rows (decode, where the product waits on memory anyway) a second int8
-term carries the first's rounding residual, so those products see activations exact to ~1.5e-5 of each
-block's largest; the int8 rounding alone costs ~0.5% of each product. Above that, where the kernel is
-compute-bound and a second term everywhere would double the integer work, and for 8-bit weights at any size
-(so that a row's result never depends on how many rows share the step), only each row's heavy blocks take
-it: the few blocks holding outlier channels, which carry most of one term's rounding error (figures in
-docs/quantization.md). fp8 weights
+are quantized to int8 per block of 32 inside the kernel (W8A8 and W4A8, as llama.cpp's CPU path). The int8
+rounding alone costs ~0.5% of each product; each row's heavy blocks, the few holding outlier channels, which
+carry most of that error, take a second int8 term with the first's rounding residual (figures in
+docs/quantization.md). In one process the blocks are chosen by the row alone at any size, so a row's result
+never depends on how many rows share the step: a greedy request answers the same alone, batched, or after a
+cached prefix (tensor-parallel ranks: SLICE_HEAVY_MAX_ROWS). A second term everywhere would double the
+integer work of the compute-bound large steps. fp8 weights
 (`Fp8Blocks`) are widened exactly to bf16 in registers and multiplied with bf16 activations (W8A16).
 
 `FW_CPU_PACKED_INT=0` turns the kernels off (methods keep their reference paths).
@@ -206,7 +205,7 @@ def packed_linear(x: torch.Tensor, weights: list[PackedWeight], fp32_out: bool =
     if flat.dtype not in (torch.float32, torch.bfloat16):
         flat = flat.float()
     if _needs_whole_rows(weights, flat.shape[0], whole_rows):
-        # heavy blocks (int weights, above RESIDUAL_MAX_ROWS): chosen against the whole row's mean, as one process
+        # heavy blocks (int weights, above SLICE_HEAVY_MAX_ROWS): chosen against the whole row's mean, as one process
         squares, blocks = whole_rows.sum(row_scale_squares(flat)), whole_rows.features // BLOCK
         outs = [_OPS[w.bits](flat, w.data, w.rows, fp32_out, squares, blocks) if w.bits in (4, 8) else
                 _OPS[w.bits](flat, w.data, w.rows, fp32_out) for w in weights]
@@ -254,12 +253,16 @@ class PackedIntSteps:
         return emit_layer(layer, b, x)
 
 
-RESIDUAL_MAX_ROWS = 8  # packed_int.cpp's: up to this many rows 4-bit products take the residual term
-HEAVY_FACTOR = 3.0  # packed_int.cpp's: above them, a row's blocks with scale^2 >= this x the row's mean take it
+HEAVY_FACTOR = 3.0  # packed_int.cpp's: a row's blocks with scale^2 >= this x the row's mean take the residual
+# Up to this many rows a tensor-parallel rank chooses heavy blocks against its own slice of each row: an
+# all-reduce of the whole rows' statistic before every row-parallel product slowed TP decode down more than
+# it brought TP closer to one process, whose sums it differs from in their last bits anyway (figures in
+# docs/distributed.md).
+SLICE_HEAVY_MAX_ROWS = 8
 
 
 def _needs_whole_rows(weights: list[PackedWeight], rows: int, whole_rows) -> bool:
-    return whole_rows is not None and rows > RESIDUAL_MAX_ROWS and any(w.bits in (4, 8) for w in weights)
+    return whole_rows is not None and rows > SLICE_HEAVY_MAX_ROWS and any(w.bits in (4, 8) for w in weights)
 
 
 def row_scale_squares(x: torch.Tensor) -> torch.Tensor:
@@ -274,9 +277,9 @@ def row_scale_squares(x: torch.Tensor) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor, bits: int = 8, residual: bool = True) -> torch.Tensor:
     """x [M, K] as the kernels see it (float32): each block of 32 rounded to int8 codes times amax / 127. For
     int weights (4- and 8-bit) the rounding residual follows as a second term of int8 codes times amax / 32,258
-    (the block then exact to ~amax / 64,516) in a row's heavy blocks (for 4-bit weights up to RESIDUAL_MAX_ROWS
-    rows, in every block), whose squared scale is at least HEAVY_FACTOR times the row's mean (the blocks of outlier channels,
-    which carry most of one term's rounding error). `residual=False`: the first term alone."""
+    (the block then exact to ~amax / 64,516) in a row's heavy blocks, whose squared scale is at least HEAVY_FACTOR
+    times the row's mean (the blocks of outlier channels, which carry most of one term's rounding error).
+    `residual=False`: the first term alone."""
     m, k = x.shape
     blocks = x.float().view(m, k // BLOCK, BLOCK)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
@@ -288,7 +291,7 @@ def quantize_activations(x: torch.Tensor, bits: int = 8, residual: bool = True) 
         seen = seen + codes * term_scale
         terms.append(seen)
         term_scale = term_scale / 254
-    if residual and (bits == 8 or (bits == 4 and m > RESIDUAL_MAX_ROWS)):
+    if residual and bits in (4, 8):
         squared = scale.double() ** 2
         heavy = squared * (k // BLOCK) >= HEAVY_FACTOR * squared.sum(1, keepdim=True)
         seen = torch.where(heavy, terms[1], terms[0])
