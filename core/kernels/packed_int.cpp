@@ -442,7 +442,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
-  const Kind run_kind = kind == Kind::Q8 && M <= BRANCHLESS_MAX_ROWS ? Kind::Q8B : kind;
   thread_local QuantizedRows q;  // reused: a decode step calls this ~120 times with the same sizes
   thread_local std::vector<uint16_t> rounded;
   Acts a;
@@ -468,7 +467,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   const bool write_fp32 = out.scalar_type() == at::kFloat;
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
-  else if (run_kind == Kind::Q8B) run<Kind::Q8B>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (kind == Kind::Q8 && M <= BRANCHLESS_MAX_ROWS) run<Kind::Q8B>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
   else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());
