@@ -98,11 +98,16 @@ bool f8_available() {
 #ifdef FW_PACKED_INT
 
 // Activations quantized per (row, block): codes (int8, or uint8 = int8 + 128 for q8), scale, scale * sum.
+// Block-major: a block's codes, scales and flags for consecutive rows lie side by side, so a tile kernel
+// addresses all of its rows from one pointer per block.
 struct QuantizedRows {
-  std::vector<int8_t> codes;   // [M, K]
-  std::vector<float> scale;    // [M, KB]
-  std::vector<float> scaled_sum;  // [M, KB]: scale * sum of the block's int8 codes
-  std::vector<uint8_t> heavy;  // [M, KB], with `selective`: the row's blocks whose residual term is used
+  int64_t M = 0, KB = 0;
+  std::vector<int8_t> codes;   // [2 terms, KB, M, 32]
+  std::vector<float> scale;    // [2 terms, KB, M]
+  std::vector<float> scaled_sum;  // [2 terms, KB, M]: scale * sum of the block's int8 codes
+  std::vector<uint8_t> heavy;  // [KB, M]: the row's blocks whose residual term is used
+  const int8_t* block_codes(int64_t term, int64_t b, int64_t row) const { return codes.data() + ((term * KB + b) * M + row) * BLOCK; }
+  int64_t at(int64_t term, int64_t b, int64_t row) const { return (term * KB + b) * M + row; }
 };
 
 // What a tile kernel reads of the activations: int8 blocks (q4, q8) or bf16 rows (f8), K inputs a row.
@@ -122,55 +127,69 @@ void mark_heavy_blocks(int64_t M, int64_t KB, QuantizedRows& out, const double* 
   out.heavy.resize(size_t(M * KB));
   const double blocks = double(whole ? whole_blocks : KB);
   for (int64_t r = 0; r < M; ++r) {
-    const float* scale = out.scale.data() + 2 * r * KB;  // the row's first term
+    const float* scale = out.scale.data() + r;  // the row's first term, block b at b * M
     double total = 0.0;
     if (whole) total = whole[r];
-    else for (int64_t b = 0; b < KB; ++b) total += double(scale[b]) * double(scale[b]);
+    else for (int64_t b = 0; b < KB; ++b) total += double(scale[b * M]) * double(scale[b * M]);
     for (int64_t b = 0; b < KB; ++b)
-      out.heavy[size_t(r * KB + b)] = double(scale[b]) * double(scale[b]) * blocks >= HEAVY_FACTOR * total;
+      out.heavy[size_t(b * M + r)] = double(scale[b * M]) * double(scale[b * M]) * blocks >= HEAVY_FACTOR * total;
   }
 }
 
-// Each row's blocks as int8 codes in two terms (the kernels use the second where they need it): codes q1 with
-// scale s1 = amax / 127, then the rounding residual x - s1 q1 (at most s1 / 2) as codes q2 with scale s1 / 254, so
-// s1 q1 + s2 q2 is x within amax / 64,516: rows 2r and 2r + 1 of the output hold row r's two terms.
+// One row's block as int8 codes in `terms` terms: codes q1 with scale s1 = amax / 127, then the rounding
+// residual x - s1 q1 (at most s1 / 2) as codes q2 with scale s1 / 254, so s1 q1 + s2 q2 is x within amax / 64,516.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, QuantizedRows& out) {
-  const int64_t KB = K / BLOCK, terms = 2;
-  out.codes.resize(size_t(terms * M * K));
-  out.scale.resize(size_t(terms * M * KB));
-  out.scaled_sum.resize(size_t(terms * M * KB));
+inline void quantize_block(const T* src, int64_t terms, bool offset128, QuantizedRows& out, int64_t r, int64_t b) {
+  __m512 v0 = fw_simd::load16(src), v1 = fw_simd::load16(src + 16);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+  float d = amax / 127.0f;
+  for (int64_t term = 0; term < terms; ++term) {
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));  // round to nearest even
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    __m128i c0 = _mm512_cvtsepi32_epi8(q0), c1 = _mm512_cvtsepi32_epi8(q1);
+    if (offset128) {
+      const __m128i flip = _mm_set1_epi8(char(0x80));
+      c0 = _mm_xor_si128(c0, flip);
+      c1 = _mm_xor_si128(c1, flip);
+    }
+    const int64_t ib = out.at(term, b, r);
+    int8_t* dst = out.codes.data() + ib * BLOCK;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), c0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), c1);
+    out.scale[size_t(ib)] = d;
+    out.scaled_sum[size_t(ib)] = d * float(sum);
+    if (term + 1 == terms) break;
+    const __m512 vd = _mm512_set1_ps(d);  // the residual: what the codes leave, for the next term
+    v0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q0), vd, v0);
+    v1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), vd, v1);
+    d /= 254.0f;
+  }
+}
+
+// Each row's blocks in one int8 term, then its heavy blocks (mark_heavy_blocks) in two: the second term exists
+// only where a product uses it (the 8-bit branchless products read it elsewhere too, and mask it out).
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, bool offset128, QuantizedRows& out,
+                   const double* whole, int64_t whole_blocks) {
+  const int64_t KB = K / BLOCK;
+  out.M = M;
+  out.KB = KB;
+  out.codes.resize(size_t(2 * M * K));
+  out.scale.resize(size_t(2 * M * KB));
+  out.scaled_sum.resize(size_t(2 * M * KB));
+  at::parallel_for(0, M * KB, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_block(x + (i / KB) * ldx + (i % KB) * BLOCK, 1, offset128, out, i / KB, i % KB);
+  });
+  mark_heavy_blocks(M, KB, out, whole, whole_blocks);
   at::parallel_for(0, M * KB, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / KB, b = i % KB;
-      const T* src = x + r * ldx + b * BLOCK;
-      __m512 v0 = fw_simd::load16(src), v1 = fw_simd::load16(src + 16);
-      const __m512 sign = _mm512_set1_ps(-0.0f);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-      float d = amax / 127.0f;
-      for (int64_t term = 0; term < terms; ++term) {
-        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m512 vinv = _mm512_set1_ps(inv);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));  // round to nearest even
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        __m128i c0 = _mm512_cvtsepi32_epi8(q0), c1 = _mm512_cvtsepi32_epi8(q1);
-        if (offset128) {
-          const __m128i flip = _mm_set1_epi8(char(0x80));
-          c0 = _mm_xor_si128(c0, flip);
-          c1 = _mm_xor_si128(c1, flip);
-        }
-        const int64_t row = r * terms + term, ib = row * KB + b;
-        int8_t* dst = out.codes.data() + row * K + b * BLOCK;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), c0);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), c1);
-        out.scale[size_t(ib)] = d;
-        out.scaled_sum[size_t(ib)] = d * float(sum);
-        const __m512 vd = _mm512_set1_ps(d);  // the residual: what the codes leave, for the next term
-        v0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q0), vd, v0);
-        v1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), vd, v1);
-        d /= 254.0f;
-      }
+      if (out.heavy[size_t(b * M + r)]) quantize_block(x + r * ldx + b * BLOCK, 2, offset128, out, r, b);
     }
   });
 }
@@ -185,17 +204,50 @@ inline void prefetch_record(const uint8_t* p) {
   for (int64_t line = 0; line < RECORD; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
 }
 
-// One tile (16 output rows) times `rows` (1..MR) activation rows, over all KB blocks: acc[r] = 16 row sums.
-// Each row comes as two int8 terms (quantize_rows' residual): quantized rows 2r and 2r + 1 with scales s and
-// s / 254, the second taken in the row's heavy blocks only. Their integer sums S1 and S2 combine exactly in
-// int32 as 254 S1 + S2 (at most 254 * 60,960 + 60,960 in size), so a row costs one conversion and one scale,
-// times s / 254. The branch, unlike 8-bit products', costs decode nothing measurable, and saves larger steps
-// the light blocks' second term (docs/performance.md).
+// The integer sums of `ROWS` activation rows with one block's 8 weight vectors: s[c][r] += w[j] . x_r[j] for
+// the words j of chain c (chains split the 8 words so few rows still have independent dot products in flight).
+// Rows advance in lockstep, word by word: each vpdpbusd waits on its own row's previous one only, so the
+// products issue at the machine's rate (row by row, each row's short chains waited on their latency).
+// x: the block's codes of the rows, 32 bytes (8 words) a row.
+template <int ROWS, int CHAINS, bool UNSIGNED_X>
+inline void block_sums(const __m512i* w, const int32_t* x, __m512i (&s)[CHAINS][ROWS]) {
+  for (int c = 0; c < CHAINS; ++c)
+    for (int r = 0; r < ROWS; ++r) s[c][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      __m512i& sum = s[j % CHAINS][r];
+      const __m512i xj = _mm512_set1_epi32(x[8 * r + j]);
+      sum = UNSIGNED_X ? _mm512_dpbusd_epi32(sum, xj, w[j])   // unsigned x, signed w
+                       : _mm512_dpbusd_epi32(sum, w[j], xj);  // unsigned w, signed x
+    }
+  for (int c = 1; c < CHAINS; ++c)
+    for (int r = 0; r < ROWS; ++r) s[0][r] = _mm512_add_epi32(s[0][r], s[c][r]);
+}
+
+// Two chains per row up to 2 rows (their latency would show), one from 3 rows on.
 template <int ROWS>
-void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
+constexpr int chains_for() { return ROWS <= 2 ? 2 : 1; }
+
+template <int ROWS>
+inline bool any_heavy(const uint8_t* h) {
+  bool any = false;
+  for (int r = 0; r < ROWS; ++r) any |= h[r] != 0;
+  return any;
+}
+
+// One tile (16 output rows) times `rows` (1..MR) activation rows, over all KB blocks: out[r] = 16 row sums.
+// Each row comes as two int8 terms (quantize_rows' residual) with scales s and s / 254, the second taken in
+// the row's heavy blocks only (computed for all rows of a block where any row needs it). Their integer sums S1
+// and S2 combine exactly in int32 as 254 S1 + S2 (at most 254 * 60,960 + 60,960 in size), so a row costs one
+// conversion and one scale, times s / 254.
+template <int ROWS>
+void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* out) {
+  constexpr int CH = chains_for<ROWS>();
   const QuantizedRows& a = *acts.q;
-  const int64_t K = acts.K;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* rec = tile + b * Q4_RECORD;
@@ -207,34 +259,28 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
       w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
     const __m512 d = load_half16(rec + 256), m = load_half16(rec + 288);
+    const int64_t i1 = a.at(0, b, m0), i2 = a.at(1, b, m0);  // the rows' first terms, and their residuals
+    const uint8_t* heavy = a.heavy.data() + b * a.M + m0;
+    __m512i s1[CH][ROWS], s2[CH][ROWS];
+    block_sums<ROWS, CH, false>(w, reinterpret_cast<const int32_t*>(a.block_codes(0, b, m0)), s1);
+    const bool any = any_heavy<ROWS>(heavy);
+    if (any) block_sums<ROWS, CH, false>(w, reinterpret_cast<const int32_t*>(a.block_codes(1, b, m0)), s2);
+#pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = 2 * (m0 + r);  // the row's first term; its residual follows it
-      const int32_t* x1 = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * BLOCK);
-      const int64_t ib1 = row * KB + b;
-      if (a.heavy[size_t((m0 + r) * KB + b)]) {
-        const int32_t* x2 = x1 + K / 4;
-        __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j) {
-          s1 = _mm512_dpbusd_epi32(s1, w[j], _mm512_set1_epi32(x1[j]));
-          s2 = _mm512_dpbusd_epi32(s2, w[j], _mm512_set1_epi32(x2[j]));
-        }
-        const __m512i both = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s1, 8), _mm512_slli_epi32(s1, 1)), s2);
-        const int64_t ib2 = ib1 + KB;
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib2)])),
+      if (any && heavy[r]) {
+        const __m512i both = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s1[0][r], 8), _mm512_slli_epi32(s1[0][r], 1)),
+                                              s2[0][r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(i2 + r)])),
                                  acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[size_t(ib1)] + a.scaled_sum[size_t(ib2)]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[size_t(i1 + r)] + a.scaled_sum[size_t(i2 + r)]), acc[r]);
       } else {
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
-        for (int j = 0; j < 8; j += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(x1[j]));
-          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(x1[j + 1]));
-        }
-        const __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-        acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(ib1)])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[size_t(ib1)]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[0][r]), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(i1 + r)])),
+                                 acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sum[size_t(i1 + r)]), acc[r]);
       }
     }
   }
+  for (int r = 0; r < ROWS; ++r) out[r] = acc[r];
 }
 
 // As q4_tile, for 8-bit weights: unsigned activation codes (int8 + 128) times signed weights,
@@ -242,12 +288,10 @@ void q4_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
 // rows, memory-bound): every block computes both terms and keeps the second's by a mask, the same result bit for
 // bit as the branch, which cost decode a third of its bandwidth (docs/performance.md).
 template <int ROWS, bool BRANCHLESS>
-void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* acc) {
+void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m512* out) {
+  constexpr int CH = chains_for<ROWS>();
   const QuantizedRows& a = *acts.q;
-  const int64_t K = acts.K;
-  const int8_t* codes = a.codes.data();
-  const float* scale = a.scale.data();
-  const uint8_t* heavy = a.heavy.data();
+  __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* rec = tile + b * Q8_RECORD;
@@ -257,36 +301,29 @@ void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
     const __m512 d = load_half16(rec + 512);
     const __m512i correction =  // 128 * sum(q) per row
         _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 544))), 7);
+    const int64_t i1 = a.at(0, b, m0), i2 = a.at(1, b, m0);
+    const uint8_t* heavy = a.heavy.data() + b * a.M + m0;
+    __m512i s1[CH][ROWS], s2[CH][ROWS];
+    block_sums<ROWS, CH, true>(w, reinterpret_cast<const int32_t*>(a.block_codes(0, b, m0)), s1);
+    const bool any = BRANCHLESS || any_heavy<ROWS>(heavy);
+    if (any) block_sums<ROWS, CH, true>(w, reinterpret_cast<const int32_t*>(a.block_codes(1, b, m0)), s2);
+#pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = 2 * (m0 + r);  // the row's first term; its residual follows it
-      const int32_t* x1 = reinterpret_cast<const int32_t*>(codes + row * K + b * BLOCK);
-      const int64_t ib1 = row * KB + b;
-      const bool h = heavy[size_t((m0 + r) * KB + b)];
-      if (BRANCHLESS || h) {
-        const int32_t* x2 = x1 + K / 4;
-        __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j) {  // unsigned activations, signed weights
-          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x1[j]), w[j]);
-          s2 = _mm512_dpbusd_epi32(s2, _mm512_set1_epi32(x2[j]), w[j]);
-        }
-        s1 = _mm512_sub_epi32(s1, correction);
-        s2 = _mm512_sub_epi32(s2, correction);
-        const __m512i both = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s1, 8), _mm512_slli_epi32(s1, 1)), s2);
-        const __m512i kept = BRANCHLESS ? _mm512_mask_blend_epi32(__mmask16(-int(h)), s1, both) : both;
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(kept), _mm512_mul_ps(d, _mm512_set1_ps(scale[size_t(ib1 + KB * h)])),
+      const bool h = heavy[r];
+      const __m512i first = _mm512_sub_epi32(s1[0][r], correction);
+      if (BRANCHLESS || (any && h)) {
+        const __m512i second = _mm512_sub_epi32(s2[0][r], correction);
+        const __m512i both = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(first, 8), _mm512_slli_epi32(first, 1)), second);
+        const __m512i kept = BRANCHLESS ? _mm512_mask_blend_epi32(__mmask16(-int(h)), first, both) : both;
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(kept), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t((h ? i2 : i1) + r)])),
                                  acc[r]);
       } else {
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(x1[j]), w[j]);
-          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x1[j + 1]), w[j + 1]);
-        }
-        const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), correction);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(d, _mm512_set1_ps(scale[size_t(ib1)])),
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[size_t(i1 + r)])),
                                  acc[r]);
       }
     }
   }
+  for (int r = 0; r < ROWS; ++r) out[r] = acc[r];
 }
 
 #ifdef FW_PACKED_F8
@@ -450,9 +487,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
     a.bf16 = bf16_rows(x, rounded, a.ld);
   } else {
     const bool q8 = kind == Kind::Q8;  // unsigned codes (+128) for vpdpbusd's first operand
-    if (x.scalar_type() == at::kFloat)
-      quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, q);
-    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, q);
     const double* whole = nullptr;
     if (whole_row_squares.has_value()) {
       const at::Tensor& t = *whole_row_squares;
@@ -461,7 +495,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
       TORCH_CHECK(whole_row_blocks >= K / BLOCK, op, ": whole_row_blocks must count the whole row's blocks");
       whole = t.const_data_ptr<double>();
     }
-    mark_heavy_blocks(M, K / BLOCK, q, whole, whole_row_blocks);
+    if (x.scalar_type() == at::kFloat)
+      quantize_rows(x.const_data_ptr<float>(), M, K, x.stride(0), q8, q, whole, whole_row_blocks);
+    else quantize_rows(x.const_data_ptr<c10::BFloat16>(), M, K, x.stride(0), q8, q, whole, whole_row_blocks);
     a.q = &q;
   }
   const bool write_fp32 = out.scalar_type() == at::kFloat;
