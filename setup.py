@@ -42,7 +42,7 @@ _FP_CONTRACT_OFF = (*cpp_build.DEFAULT_CFLAGS, "-ffp-contract=off")
 LIBRARIES = [
     ("fw.kernels", "cpu_ops", "core/kernels/cpu_ops.cpp", _FP_CONTRACT_OFF),
     ("fw.kernels", "dense_bf16", "core/kernels/dense_bf16.cpp", _FP_CONTRACT_OFF),
-    ("fw.kernels", "packed_int", "core/kernels/packed_int.cpp", cpp_build.DEFAULT_CFLAGS),
+    ("fw.kernels", "packed_int", "core/kernels/packed_int.cpp", _FP_CONTRACT_OFF),
     ("fw.kernels", "fw_packed", "core/kernels/packed_linear.cpp", cpp_build.DEFAULT_CFLAGS),
     ("fw.kernels", "cpu_paged", "core/kernels/cpu_paged.cpp", cpp_build.DEFAULT_CFLAGS),
     ("fw.kernels", "step_program", "core/kernels/step_program.cpp", cpp_build.DEFAULT_CFLAGS),

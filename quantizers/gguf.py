@@ -355,7 +355,7 @@ class GGUFLinearMethod(LinearMethod):
         # fw's bf16 kernel fuses the activation where the dequantized weight was packed for it
         if layer.dense and dense.fuses_silu(layer):
             return dense.dense_silu_mul(x, layer.weight)
-        return None
+        return packed_int.silu_mul(layer, x)  # None off the packed kernels
 
     def emit_step(self, layer: Linear, b, x):
         if layer.dense and not layer.fp32_out:
@@ -367,7 +367,7 @@ class GGUFLinearMethod(LinearMethod):
     def emit_silu_step(self, layer: Linear, b, x):
         if layer.dense and dense.fuses_silu(layer):
             return dense.emit_silu_mul(b, x, layer.weight)
-        return None
+        return packed_int.emit_silu(layer, b, x)
 
 
 _warned: set[int] = set()  # GGUF types already reported as dequantized at load, once per process

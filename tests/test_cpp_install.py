@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOADED = {
     "cpu_ops": (cpu_ops._SOURCE, cpu_ops._CFLAGS),
     "dense_bf16": (dense.BF16_SOURCE, dense.BF16_CFLAGS),
-    "packed_int": (packed_int.SOURCE, loader.DEFAULT_CFLAGS),
+    "packed_int": (packed_int.SOURCE, packed_int.CFLAGS),
     "fw_packed": (compile_ops.PACKED_SOURCE, loader.DEFAULT_CFLAGS),
     "cpu_paged": (cpu_paged._SOURCE, loader.DEFAULT_CFLAGS),
     "step_program": (step_program._SOURCE, loader.DEFAULT_CFLAGS),

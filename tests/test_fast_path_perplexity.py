@@ -83,6 +83,7 @@ def test_the_fast_paths_are_the_ones_measured(int4_checkpoints, monkeypatch):
                   quantization="bitsandbytes-nf4").engine.loaded.model
         mlp = gptq.model.layers[0].mlp.gate_up_proj
         assert (getattr(mlp, "packed_int", None) is not None) is fast
+        assert packed_int.fuses_silu(mlp) is fast  # SiLU · up in the product
         has_bnb_kernel = nf4.model.layers[0].mlp.gate_up_proj.bnb_cpu is not None
         assert has_bnb_kernel is (fast and _bnb_kernel_available())
 

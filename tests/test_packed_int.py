@@ -190,6 +190,43 @@ def test_fused_groups_of_both_formats_stack_by_rows():
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+class _GateUp:
+    """What `fuses_silu` reads of a SiLU MLP's [gate; up] layer."""
+
+    def __init__(self, weight: packed_int.PackedWeight, silu: bool = True):
+        self.packed_int, self.silu_gate_up, self.bias, self.fp32_out = [weight], silu, None, False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 64, 300])
+def test_silu_in_the_product_is_the_plain_product_then_silu_mul(m, bits, dtype):
+    """silu(gate) * up computed in the product equals the product written out and then cpu_ops.silu_mul, bit
+    for bit, at every row count (the kernels' passes of 8 rows, the 8-bit branchless few-row case)."""
+    from fw.kernels import cpu_ops
+
+    cpu_ops.prepare("cpu")
+    gen = torch.Generator().manual_seed(m + bits)
+    inter, k = 48, 96  # gate and up of 3 tiles each
+    weight = packed_int.pack(_blocks(bits, 2 * inter, k, gen))
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    x[:, 5] *= 40  # an outlier channel: heavy blocks too
+    layer = _GateUp(weight)
+    assert packed_int.fuses_silu(layer)
+    fused = packed_int.silu_mul(layer, x)
+    plain = cpu_ops.silu_mul(packed_int.packed_linear(x, [weight]))
+    assert fused.dtype == dtype and fused.shape == (m, inter)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=0)
+
+
+def test_silu_fuses_only_whole_tile_halves_of_one_weight():
+    gen = torch.Generator().manual_seed(5)
+    assert not packed_int.fuses_silu(_GateUp(packed_int.pack(_blocks(4, 48, 64, gen))))  # halves of 24 rows
+    assert not packed_int.fuses_silu(_GateUp(packed_int.pack(_blocks(4, 64, 64, gen)), silu=False))  # LoRA on
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.fw_packed_int.silu_q4(torch.randn(1, 64), packed_int.pack(_blocks(4, 48, 64, gen)).data, 48)
+
+
 def test_leading_dims_and_empty_inputs():
     gen = torch.Generator().manual_seed(2)
     blocks = _blocks(4, 20, 64, gen)

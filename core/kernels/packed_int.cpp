@@ -34,6 +34,9 @@
 //   f8: activations rounded to bf16 (exact when they are bf16), each e4m3 code widened exactly to bf16 by a
 //       table lookup; products exact, sums fp32 (vdpbf16ps), as fw's dense bf16 kernel.
 // Results are fp32 sums over blocks in input order, written as fp32 or rounded once to bf16.
+// silu_q4 / silu_q8: a SiLU MLP's [gate; up] product with the activation applied as its tiles are written,
+// silu(gate) * up rounded exactly as cpu_ops.silu_mul rounds the plain product's output (built without FP
+// contraction, as cpu_ops is).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -430,6 +433,40 @@ void run(const Acts& a, const uint8_t* w, int64_t M, int64_t N, bool fp32_out, v
     }
   });
 }
+
+// silu(gate) * up from a weight whose first N / 2 rows are a SiLU MLP's gate and the rest its up projection
+// (N / 2 a multiple of TILE): gate tile t and up tile t + N / 32 side by side, rounded as cpu_ops.silu_mul rounds
+// the plain product's output, out = round(round(silu(round(g))) * round(u)) in T, the activations' dtype.
+template <Kind KIND, typename T>
+void run_silu(const Acts& a, const uint8_t* w, int64_t M, int64_t N, T* out) {
+  const int64_t KB = a.K / BLOCK, H = N / 2, HT = H / TILE;
+  const int64_t tile_bytes = KB * record_bytes(KIND);
+  at::parallel_for(0, HT, 1, [&](int64_t t0, int64_t t1) {
+    const __m512 one = _mm512_set1_ps(1.f), neg = _mm512_set1_ps(-0.f);
+    __m512 g[MR], u[MR];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* gate = w + t * tile_bytes;
+      const uint8_t* up = w + (t + HT) * tile_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int rows = int(std::min<int64_t>(MR, M - m0));
+        switch (rows) {
+#define FW_SILU_ROWS(R) \
+  case R: tile_rows<R, KIND>(gate, KB, a, m0, g); tile_rows<R, KIND>(up, KB, a, m0, u); break;
+          FW_SILU_ROWS(8) FW_SILU_ROWS(7) FW_SILU_ROWS(6) FW_SILU_ROWS(5)
+          FW_SILU_ROWS(4) FW_SILU_ROWS(3) FW_SILU_ROWS(2)
+#undef FW_SILU_ROWS
+          default: tile_rows<1, KIND>(gate, KB, a, m0, g); tile_rows<1, KIND>(up, KB, a, m0, u); break;
+        }
+        for (int r = 0; r < rows; ++r) {
+          const __m512 gr = fw_simd::round16<T>(g[r]);
+          const __m512 act = _mm512_div_ps(gr, _mm512_add_ps(one, fw_simd::exp16(_mm512_xor_ps(gr, neg))));
+          fw_simd::store16(out + (m0 + r) * H + t * TILE,
+                           _mm512_mul_ps(fw_simd::round16<T>(act), fw_simd::round16<T>(u[r])));
+        }
+      }
+    }
+  });
+}
 #endif
 
 void check_weight(const at::Tensor& x, const at::Tensor& w, int64_t N, Kind kind, const char* op) {
@@ -469,14 +506,17 @@ const uint16_t* bf16_rows(const at::Tensor& x, std::vector<uint16_t>& copy, int6
 #endif
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool fp32_out, int kind_index,
-                  const std::optional<at::Tensor>& whole_row_squares = std::nullopt, int64_t whole_row_blocks = 0) {
+                  const std::optional<at::Tensor>& whole_row_squares = std::nullopt, int64_t whole_row_blocks = 0,
+                  bool silu = false) {
   static const char* names[] = {"linear_q4", "linear_q8", "linear_f8"};
   const char* op = names[kind_index];
   const Kind kind = kind_index == 0 ? Kind::Q4 : kind_index == 1 ? Kind::Q8 : Kind::F8;
   check_weight(x_in, w, N, kind, op);
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
+  TORCH_CHECK(!silu || (N % (2 * TILE) == 0 && !fp32_out && kind_index != 2), op,
+              ": silu needs a 4- or 8-bit [gate; up] weight of N rows, N a multiple of ", 2 * TILE);
+  at::Tensor out = at::empty({M, silu ? N / 2 : N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
   thread_local QuantizedRows q;  // reused: a decode step calls this ~120 times with the same sizes
@@ -502,6 +542,16 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   }
   const bool write_fp32 = out.scalar_type() == at::kFloat;
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  if (silu) {
+    auto go = [&](auto* o) {
+      if (kind == Kind::Q4) run_silu<Kind::Q4>(a, wp, M, N, o);
+      else if (M <= BRANCHLESS_MAX_ROWS) run_silu<Kind::Q8B>(a, wp, M, N, o);
+      else run_silu<Kind::Q8>(a, wp, M, N, o);
+    };
+    if (write_fp32) go(out.mutable_data_ptr<float>());
+    else go(out.mutable_data_ptr<c10::BFloat16>());
+    return out;
+  }
   if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q8 && M <= BRANCHLESS_MAX_ROWS) run<Kind::Q8B>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
@@ -526,6 +576,14 @@ at::Tensor linear_f8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool f
   return linear(x, w, N, fp32_out, 2);
 }
 
+at::Tensor silu_q4(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  return linear(x, w, N, false, 0, std::nullopt, 0, true);
+}
+
+at::Tensor silu_q8(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  return linear(x, w, N, false, 1, std::nullopt, 0, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_packed_int, m) {
@@ -539,6 +597,10 @@ TORCH_LIBRARY(fw_packed_int, m) {
   m.def("linear_q8(Tensor x, Tensor w, int N, bool fp32_out=False, Tensor? whole_row_squares=None, "
         "int whole_row_blocks=0) -> Tensor");
   m.impl("linear_q8", c10::DispatchKey::CPU, TORCH_FN(linear_q8));
+  m.def("silu_q4(Tensor x, Tensor w, int N) -> Tensor");
+  m.impl("silu_q4", c10::DispatchKey::CPU, TORCH_FN(silu_q4));
+  m.def("silu_q8(Tensor x, Tensor w, int N) -> Tensor");
+  m.impl("silu_q8", c10::DispatchKey::CPU, TORCH_FN(silu_q8));
   m.def("linear_f8(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
   m.impl("linear_f8", c10::DispatchKey::CPU, TORCH_FN(linear_f8));
 }

@@ -14,6 +14,9 @@ cached prefix (tensor-parallel ranks: SLICE_HEAVY_MAX_ROWS). A second term every
 integer work of the compute-bound large steps. fp8 weights
 (`Fp8Blocks`) are widened exactly to bf16 in registers and multiplied with bf16 activations (W8A16).
 
+A SiLU MLP's [gate; up] layer on one 4- or 8-bit weight applies the activation in the product (`silu_mul`),
+as fw's dense bf16 kernel does, bit for bit what the product and `cpu_ops.silu_mul` give in turn.
+
 `FW_CPU_PACKED_INT=0` turns the kernels off (methods keep their reference paths).
 """
 
@@ -34,12 +37,14 @@ from fw.kernels.step_program import NotReplayable
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_int.cpp")  # package data
+CFLAGS = DEFAULT_CFLAGS + ("-ffp-contract=off",)  # its SiLU rounds as cpu_ops.silu_mul does
 BLOCK = 32  # inputs per block
 TILE = 16  # output rows per tile
 RECORD_BYTES = {4: 320, 8: 576, "f8": 576}  # bytes per (tile, block): codes, then scales and offsets or sums
 _state: bool | None = None  # None: not tried yet
 _f8_state = False  # the fp8 kernel is built too (AVX512-BF16 and -VBMI)
 _OPS: dict[int | str, object] = {}  # bits (4, 8, "f8") -> torch.ops.fw_packed_int.linear_*.default once built
+_SILU_OPS: dict[int, object] = {}  # bits (4, 8) -> torch.ops.fw_packed_int.silu_q*.default
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ def ready() -> bool:
     if not wanted():
         return False
     if _state is None:
-        why = try_load_cpp_ops("packed_int", SOURCE, DEFAULT_CFLAGS)
+        why = try_load_cpp_ops("packed_int", SOURCE, CFLAGS)
         if why is not None:
             logger.warning("fw's packed int kernels unavailable (%s); quantized weights use the reference path", why)
             _state = False
@@ -115,14 +120,21 @@ def ready() -> bool:
         _f8_state = _state and bool(torch.ops.fw_packed_int.f8_available())
         ops = torch.ops.fw_packed_int  # the resolved overloads: the op packet resolves them on every call
         _OPS.update({4: ops.linear_q4.default, 8: ops.linear_q8.default, "f8": ops.linear_f8.default})
+        _SILU_OPS.update({4: ops.silu_q4.default, 8: ops.silu_q8.default})
         for name in ("linear_q4", "linear_q8", "linear_f8"):
             register_fake(f"fw_packed_int::{name}", _linear_fake)
+        for name in ("silu_q4", "silu_q8"):
+            register_fake(f"fw_packed_int::{name}", _silu_fake)
     return _state
 
 
 def _linear_fake(x: torch.Tensor, weight: torch.Tensor, rows: int, fp32_out: bool = False,
                  whole_row_squares: torch.Tensor | None = None, whole_row_blocks: int = 0) -> torch.Tensor:
     return x.new_empty(x.shape[0], rows, dtype=torch.float32 if fp32_out else x.dtype)
+
+
+def _silu_fake(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], rows // 2)
 
 
 def applies(device: torch.device | str, cols: int, fp8: bool = False) -> bool:
@@ -226,6 +238,35 @@ def layer_forward(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 _OP_NAMES = {4: "fw_packed_int::linear_q4", 8: "fw_packed_int::linear_q8", "f8": "fw_packed_int::linear_f8"}
+_SILU_OP_NAMES = {4: "fw_packed_int::silu_q4", 8: "fw_packed_int::silu_q8"}
+
+
+def fuses_silu(layer) -> bool:
+    """A SiLU MLP's [gate; up] layer (`silu_gate_up`, off while a LoRA adapter is on it) whose product can apply
+    the activation itself: one 4- or 8-bit packed weight with both halves in whole tiles, no bias, outputs in the
+    activations' dtype, on one rank's whole rows (column-parallel layers always are)."""
+    packed = getattr(layer, "packed_int", None)
+    return (getattr(layer, "silu_gate_up", False) and packed is not None and len(packed) == 1
+            and packed[0].bits in _SILU_OPS and packed[0].rows % (2 * TILE) == 0 and layer.bias is None
+            and not layer.fp32_out and getattr(layer, "whole_rows", None) is None)
+
+
+def silu_mul(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up from the layer's product (`fuses_silu`), as `cpu_ops.silu_mul` computes it from the
+    plain product's output, bit for bit; None where the layer does not fuse it or x is not float32/bfloat16."""
+    if not fuses_silu(layer) or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    w = layer.packed_int[0]
+    flat = x.reshape(-1, x.shape[-1])
+    return _SILU_OPS[w.bits](flat, w.data, w.rows).view(*x.shape[:-1], w.rows // 2)
+
+
+def emit_silu(layer, b, x):
+    """`silu_mul` as a step program's call; None where the layer does not fuse it."""
+    if not fuses_silu(layer) or layer.params_dtype not in (torch.float32, torch.bfloat16):
+        return None
+    w = layer.packed_int[0]
+    return b.call(_SILU_OP_NAMES[w.bits], x, w.data, w.rows)
 
 
 def emit_layer(layer, b, x):
@@ -251,6 +292,12 @@ class PackedIntSteps:
         if getattr(layer, "packed_int", None) is None:
             raise NotReplayable(f"{layer.prefix}: {type(self).__name__} off fw's packed kernels")
         return emit_layer(layer, b, x)
+
+    def silu_mul(self, layer, x):
+        return silu_mul(layer, x)
+
+    def emit_silu_step(self, layer, b, x):
+        return emit_silu(layer, b, x)
 
 
 HEAVY_FACTOR = 3.0  # packed_int.cpp's: a row's blocks with scale^2 >= this x the row's mean take the residual

@@ -82,7 +82,7 @@ def core_dense_bf16() -> CppOpsArtifact:
 
 def core_packed_int() -> CppOpsArtifact:
     """fw's packed-int kernels (fw.kernels.packed_int) for quantized weights, on a CPU with AVX512-VNNI."""
-    return CppOpsArtifact("packed_int", packed_int.SOURCE, packed_int.DEFAULT_CFLAGS, owner="core",
+    return CppOpsArtifact("packed_int", packed_int.SOURCE, packed_int.CFLAGS, owner="core",
                           applies=lambda context: cpu_target(context) and packed_int.wanted())
 
 
