@@ -184,6 +184,8 @@ def test_cpu_default_keeps_kernel_types_packed_and_dequantizes_the_others_with_o
     assert q41.engine.loaded.quantization == "gguf"
     layers = [m for m in q41.engine.loaded.model.modules() if isinstance(m, Linear)]
     assert all(m.packed_int is not None and not m.dense for m in layers)
+    gate_ups = [m for m in layers if m.prefix.endswith("gate_up_proj")]
+    assert gate_ups and all(packed_int.fuses_silu(m) for m in gate_ups)  # SiLU · up in the product
     for qtype in (T.Q5_0,):
         caplog.clear()
         case = _case(gguf_dir, tokenizer, f"default_{qtype.name}", qtype)

@@ -509,13 +509,14 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
                   const std::optional<at::Tensor>& whole_row_squares = std::nullopt, int64_t whole_row_blocks = 0,
                   bool silu = false) {
   static const char* names[] = {"linear_q4", "linear_q8", "linear_f8"};
-  const char* op = names[kind_index];
+  static const char* silu_names[] = {"silu_q4", "silu_q8"};
+  const char* op = silu ? silu_names[kind_index] : names[kind_index];
   const Kind kind = kind_index == 0 ? Kind::Q4 : kind_index == 1 ? Kind::Q8 : Kind::F8;
   check_weight(x_in, w, N, kind, op);
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(!silu || (N % (2 * TILE) == 0 && !fp32_out && kind_index != 2), op,
-              ": silu needs a 4- or 8-bit [gate; up] weight of N rows, N a multiple of ", 2 * TILE);
+  TORCH_CHECK(!silu || N % (2 * TILE) == 0, op, ": the [gate; up] weight's N = ", N, " rows are not a multiple of ",
+              2 * TILE);
   at::Tensor out = at::empty({M, silu ? N / 2 : N}, x.options().dtype(fp32_out ? at::kFloat : x.scalar_type()));
 #ifdef FW_PACKED_INT
   if (M == 0) return out;
@@ -542,19 +543,18 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   }
   const bool write_fp32 = out.scalar_type() == at::kFloat;
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  const Kind tiles = kind == Kind::Q8 && M <= BRANCHLESS_MAX_ROWS ? Kind::Q8B : kind;  // the tile kernel to run
   if (silu) {
     auto go = [&](auto* o) {
-      if (kind == Kind::Q4) run_silu<Kind::Q4>(a, wp, M, N, o);
-      else if (M <= BRANCHLESS_MAX_ROWS) run_silu<Kind::Q8B>(a, wp, M, N, o);
+      if (tiles == Kind::Q4) run_silu<Kind::Q4>(a, wp, M, N, o);
+      else if (tiles == Kind::Q8B) run_silu<Kind::Q8B>(a, wp, M, N, o);
       else run_silu<Kind::Q8>(a, wp, M, N, o);
     };
     if (write_fp32) go(out.mutable_data_ptr<float>());
     else go(out.mutable_data_ptr<c10::BFloat16>());
-    return out;
-  }
-  if (kind == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
-  else if (kind == Kind::Q8 && M <= BRANCHLESS_MAX_ROWS) run<Kind::Q8B>(a, wp, M, N, write_fp32, out.data_ptr());
-  else if (kind == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
+  } else if (tiles == Kind::Q4) run<Kind::Q4>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (tiles == Kind::Q8B) run<Kind::Q8B>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (tiles == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
   else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());
 #endif
