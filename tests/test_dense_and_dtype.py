@@ -48,7 +48,7 @@ def test_onednn_packed_linear_equals_f_linear(dtype, monkeypatch):
 @needs_bf16_kernel
 @pytest.mark.parametrize("n,k", [(96, 64), (100, 130), (88, 64), (1, 2), (49, 576)])
 def test_blocked_bf16_linear_equals_f_linear(n, k):
-    """Column counts off the 48-column blocks, input pairs across the 96-pair chunks, one output."""
+    """Column counts off the 48-column blocks, input pairs across the 64-pair chunks, one output."""
     torch.manual_seed(0)
     weight, bias = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
     packed = pack_dense_weight(weight, "cpu")
@@ -62,7 +62,7 @@ def test_blocked_bf16_rows_equal_fp32_sums_rounded(rows):
     """Every row count the kernel splits differently (tiles of 8, buffers of 64, regions of 512): the
     output is the fp32 sum rounded to bf16, up to the order of the fp32 sums (at most one bf16 step)."""
     torch.manual_seed(rows)
-    n, k = 150, 448  # 4 blocks (the last partial), 224 pairs (3 chunks, the last partial)
+    n, k = 150, 448  # 4 blocks (the last partial), 224 pairs (4 chunks, the last partial)
     weight, x, bias = (torch.randn(n, k, dtype=torch.bfloat16), torch.randn(rows, k, dtype=torch.bfloat16),
                        torch.randn(n, dtype=torch.bfloat16))
     got = dense_linear(x, pack_dense_weight(weight, "cpu"), bias).float()

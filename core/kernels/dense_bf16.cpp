@@ -13,7 +13,7 @@
 // input pair with 16 columns' weight pairs. A block's weights are contiguous and blocks follow each other,
 // so a thread streams its blocks in order. The shape keeps N, and no plain weight is 3-D.
 //
-// Numerics: each output is an fp32 sum over k in order within chunks of 192 inputs, two products at a
+// Numerics: each output is an fp32 sum over k in order within chunks of 128 inputs, two products at a
 // time (vdpbf16ps: exact products, fp32 sums), the chunks' sums added in order, then + bias in fp32, rounded to bf16 once (nearest even): what oneDNN does on
 // these CPUs up to the order of the fp32 sums. With fp32_out the sums are returned unrounded (the LM
 // head: bf16 logits of a 135M model are 0.125 apart at their size, and ties flipped greedy answers).
@@ -40,7 +40,8 @@ namespace {
 
 constexpr int64_t NR = 48;    // output columns per block
 constexpr int MR = 8;         // rows per micro-tile: 8 x 3 accumulators + 3 weight vectors in registers
-constexpr int64_t KC = 96;    // input pairs per chunk: 96 x 48 x 2 bf16 = 18 KiB of weight, L1-resident
+constexpr int64_t KC = 64;    // input pairs per chunk: 64 x 48 x 2 bf16 = 12 KiB of weight, L1-resident beside
+                              // the next chunk being prefetched (two 18 KiB chunks overflowed the 32 KiB L1)
 constexpr int64_t MC = 64;    // rows whose sums stay in the per-thread buffer (64 x 48 fp32 = 12 KiB)
 constexpr int64_t MOUT = 512; // rows per parallel region: a block's weights are reused from L2 across them
 constexpr int PF_PER_PAIR = 3;  // prefetched lines per input pair: a 1-row tile prefetches a whole chunk
