@@ -248,15 +248,20 @@ def pack_rows_into(packed: torch.Tensor, rows: torch.Tensor, first: int) -> None
 
 def blocked_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (1-D) of a bf16 weight [N, K] that `pack_dense_weight` laid out in blocks (not a gate/up):
-    block b holds rows 48b .. 48b + 47 as [K / 2, 48] input pairs (the last block as [K / 2, its rows]).
-    A row's input pairs are 4-byte words 48 (or the last block's width) apart: taken by flat index, so only
-    the rows' own words are read."""
+    block b holds rows 48b .. 48b + 47 as [K / 2, 48] input pairs (the last block as [K / 2, its rows])."""
     n, pairs = packed.shape[0], packed.shape[1]
-    block = ids // _BLOCK
-    width = torch.clamp(n - block * _BLOCK, max=_BLOCK)  # 48, or the rows of a shorter last block
-    first = block * (_BLOCK * pairs) + (ids - block * _BLOCK)  # the row's first pair
-    words = first.view(-1, 1) + torch.arange(pairs).view(1, pairs) * width.view(-1, 1)
-    return packed.view(torch.int32).reshape(-1).take(words).view(torch.bfloat16).view(ids.numel(), 2 * pairs)
+    flat = packed.reshape(-1)
+    whole = n // _BLOCK * _BLOCK
+    blocks = flat[:whole * 2 * pairs].view(-1, pairs, _BLOCK, 2)
+    if whole == n:
+        out = blocks[ids // _BLOCK, :, ids % _BLOCK]
+    else:  # a last block of fewer rows
+        out = packed.new_empty(ids.numel(), pairs, 2)
+        inside = ids < whole
+        head, tail = ids[inside], ids[~inside]
+        out[inside] = blocks[head // _BLOCK, :, head % _BLOCK]
+        out[~inside] = flat[whole * 2 * pairs:].view(pairs, n - whole, 2)[:, tail - whole].transpose(0, 1)
+    return out.reshape(ids.numel(), 2 * pairs).contiguous()
 
 
 def _scatter(words: torch.Tensor, src: torch.Tensor, first: int, total: int, width: int, part: int | None) -> None:

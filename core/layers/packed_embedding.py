@@ -19,20 +19,15 @@ _QUADS = BLOCK // 4  # an 8-bit record's codes: [quad of 4 inputs][row of the ti
 
 
 def gather_rows(weight: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` (1-D) of an 8-bit packed weight, [len(ids), cols] in `dtype`.
-
-    Each row's codes are 4-byte words spread over its tile's records, so the words and fp16 scales are
-    taken by flat index: only the rows' own bytes are read, not their tiles' (16 times as many)."""
+    """Rows `ids` (1-D) of an 8-bit packed weight, [len(ids), cols] in `dtype`."""
     n, blocks = ids.numel(), weight.cols // BLOCK
-    record_words = RECORD_BYTES[8] // 4
-    tile, row = (ids // TILE).view(n, 1), (ids % TILE).view(n, 1)
-    record = tile * blocks + torch.arange(blocks).view(1, blocks)  # [n, blocks]: the rows' records
-    quads = torch.arange(_QUADS).view(1, 1, _QUADS) * TILE
-    words = (record * record_words).unsqueeze(2) + quads + row.unsqueeze(2)  # [n, blocks, quads]
-    codes = weight.data.view(torch.int32).reshape(-1).take(words).view(torch.int8).view(n, blocks, BLOCK)
-    halves = record * (2 * record_words) + _QUADS * TILE * 2 + row  # fp16 scale of each (row, block)
-    scales = weight.data.view(torch.float16).reshape(-1).take(halves)
-    return (codes.float() * scales.float().unsqueeze(2)).view(n, weight.cols).to(dtype)
+    records = weight.data.view(-1, blocks, RECORD_BYTES[8])[ids // TILE]  # [n, blocks, record]
+    row = (ids % TILE).view(n, 1, 1, 1, 1)
+    codes = records[..., : _QUADS * TILE * 4].view(torch.int8).view(n, blocks, _QUADS, TILE, 4)
+    codes = codes.gather(3, row.expand(n, blocks, _QUADS, 1, 4)).view(n, blocks, BLOCK)
+    scales = records[..., _QUADS * TILE * 4: _QUADS * TILE * 4 + 2 * TILE].contiguous().view(torch.float16)
+    scales = scales.view(n, blocks, TILE).gather(2, row.view(n, 1, 1).expand(n, blocks, 1))
+    return (codes.float() * scales.float()).view(n, weight.cols).to(dtype)
 
 
 class PackedRowEmbedding(nn.Module):
