@@ -267,7 +267,6 @@ inline __m512 bf16_round(__m512 v) { return fw_simd::round16<c10::BFloat16>(v); 
 // gate|up; otherwise gate -> out[r, o0 + i] and up -> out[r, I + o0 + i] (the plain product's columns).
 void write_gated(const float* sums, int64_t rows, int64_t o0, int64_t h, int64_t I, bool silu, uint16_t* out,
                  int64_t ldo) {
-  const __m512 one = _mm512_set1_ps(1.f), neg = _mm512_set1_ps(-0.f);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < h; j += 16) {
       const __mmask16 m = lanes(h - j);
@@ -275,8 +274,7 @@ void write_gated(const float* sums, int64_t rows, int64_t o0, int64_t h, int64_t
       const __m512 u = bf16_round(_mm512_maskz_loadu_ps(m, sums + r * NR + h + j));
       uint16_t* o = out + r * ldo + o0 + j;
       if (silu) {
-        const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, fw_simd::exp16(_mm512_xor_ps(g, neg))));
-        store_row(o, m, _mm512_mul_ps(bf16_round(act), u));
+        store_row(o, m, _mm512_mul_ps(bf16_round(fw_simd::silu16(g)), u));
       } else {
         store_row(o, m, g);
         store_row(o + I, m, u);

@@ -88,6 +88,13 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// silu(x) = x / (1 + exp(-x)) in fp32 with a true division, as torch computes it (a reciprocal estimate was
+// 30% faster but moved 0.1% of bf16 outputs). One definition: the fused gate/up products must round exactly
+// as cpu_ops.silu_mul does.
+inline __m512 silu16(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_xor_ps(x, _mm512_set1_ps(-0.f)))));
+}
+
 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1);
 }

@@ -442,7 +442,6 @@ void run_silu(const Acts& a, const uint8_t* w, int64_t M, int64_t N, T* out) {
   const int64_t KB = a.K / BLOCK, H = N / 2, HT = H / TILE;
   const int64_t tile_bytes = KB * record_bytes(KIND);
   at::parallel_for(0, HT, 1, [&](int64_t t0, int64_t t1) {
-    const __m512 one = _mm512_set1_ps(1.f), neg = _mm512_set1_ps(-0.f);
     __m512 g[MR], u[MR];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* gate = w + t * tile_bytes;
@@ -459,9 +458,8 @@ void run_silu(const Acts& a, const uint8_t* w, int64_t M, int64_t N, T* out) {
         }
         for (int r = 0; r < rows; ++r) {
           const __m512 gr = fw_simd::round16<T>(g[r]);
-          const __m512 act = _mm512_div_ps(gr, _mm512_add_ps(one, fw_simd::exp16(_mm512_xor_ps(gr, neg))));
           fw_simd::store16(out + (m0 + r) * H + t * TILE,
-                           _mm512_mul_ps(fw_simd::round16<T>(act), fw_simd::round16<T>(u[r])));
+                           _mm512_mul_ps(fw_simd::round16<T>(fw_simd::silu16(gr)), fw_simd::round16<T>(u[r])));
         }
       }
     }
