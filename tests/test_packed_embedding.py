@@ -26,6 +26,10 @@ def test_blocked_rows_are_the_weight_rows(rows, cols):
     assert torch.equal(blocked_rows(packed, ids.reshape(-1)), w[ids.reshape(-1)])
     assert torch.equal(blocked_rows(packed, torch.arange(rows)), w)
     assert torch.equal(BlockedRowEmbedding(packed)(ids), w[ids])
+    assert torch.equal(blocked_rows(packed, ids.reshape(-1).int()), w[ids.reshape(-1)])
+    assert blocked_rows(packed, torch.tensor([], dtype=torch.long)).shape == (0, cols)
+    with pytest.raises(RuntimeError, match=f"row {rows} is outside the weight's {rows} rows"):
+        blocked_rows(packed, torch.tensor([0, rows]))
 
 
 @needs_kernel

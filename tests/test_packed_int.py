@@ -121,7 +121,7 @@ def test_a_row_parallel_slice_chooses_heavy_blocks_against_the_whole_row():
 def test_rows_of_an_8bit_weight_are_its_dequantized_rows():
     """PackedRowEmbedding (a tied Q8_0 embedding read from the head's packed blocks) gives exactly the
     dequantized rows, in any order and at tile edges of a row count that is no multiple of 16."""
-    from fw.layers.packed_embedding import PackedRowEmbedding
+    from fw.layers.packed_embedding import PackedRowEmbedding, gather_rows
 
     gen = torch.Generator().manual_seed(3)
     blocks = _blocks(8, 37, 96, gen)
@@ -131,6 +131,21 @@ def test_rows_of_an_8bit_weight_are_its_dequantized_rows():
     got = embedding(ids)
     assert got.shape == (2, 3, 96) and got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, 96)
+    # fp32 and fp16 round the same fp32 product once; int32 ids read the same rows
+    flat = ids.reshape(-1)
+    for dtype in (torch.float32, torch.float16):
+        got = gather_rows(embedding.packed, flat.int(), dtype)
+        assert got.dtype == dtype and torch.equal(got, blocks.dequantize().float().to(dtype)[flat])
+
+
+def test_rows_of_an_8bit_weight_reject_a_row_outside_it():
+    from fw.layers.packed_embedding import gather_rows
+
+    packed = packed_int.pack(_blocks(8, 37, 96, torch.Generator().manual_seed(4)))  # 3 tiles: 48 padded rows
+    with pytest.raises(RuntimeError, match="row 48 is outside"):
+        gather_rows(packed, torch.tensor([0, 48]), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="row -1 is outside"):
+        gather_rows(packed, torch.tensor([-1]), torch.bfloat16)
 
 
 needs_f8 = pytest.mark.skipif(not packed_int.applies("cpu", 32, fp8=True), reason="no AVX512-BF16/VBMI CPU")

@@ -81,6 +81,7 @@ def bf16_kernel_ready() -> bool:
         _bf16_gated = torch.ops.fw_dense.linear_bf16_gated.default
         register_fake("fw_dense::linear_bf16", _linear_fake)
         register_fake("fw_dense::linear_bf16_gated", _gate_up_fake)
+        register_fake("fw_dense::rows_bf16", _rows_fake)
     return _bf16_state
 
 
@@ -91,6 +92,10 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _gate_up_fake(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[1] * (1 if silu else 2))
+
+
+def _rows_fake(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return weight.new_empty(ids.shape[0], 2 * weight.shape[1])
 
 
 def prepare(device: torch.device | str, dtype: torch.dtype) -> None:
@@ -247,21 +252,10 @@ def pack_rows_into(packed: torch.Tensor, rows: torch.Tensor, first: int) -> None
 
 
 def blocked_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` (1-D) of a bf16 weight [N, K] that `pack_dense_weight` laid out in blocks (not a gate/up):
-    block b holds rows 48b .. 48b + 47 as [K / 2, 48] input pairs (the last block as [K / 2, its rows])."""
-    n, pairs = packed.shape[0], packed.shape[1]
-    flat = packed.reshape(-1)
-    whole = n // _BLOCK * _BLOCK
-    blocks = flat[:whole * 2 * pairs].view(-1, pairs, _BLOCK, 2)
-    if whole == n:
-        out = blocks[ids // _BLOCK, :, ids % _BLOCK]
-    else:  # a last block of fewer rows
-        out = packed.new_empty(ids.numel(), pairs, 2)
-        inside = ids < whole
-        head, tail = ids[inside], ids[~inside]
-        out[inside] = blocks[head // _BLOCK, :, head % _BLOCK]
-        out[~inside] = flat[whole * 2 * pairs:].view(pairs, n - whole, 2)[:, tail - whole].transpose(0, 1)
-    return out.reshape(ids.numel(), 2 * pairs).contiguous()
+    """Rows `ids` (1-D) of a bf16 weight [N, K] that `pack_dense_weight` laid out in blocks (not a gate/up), as
+    [len(ids), K]. One C++ op: the same gather as tensor ops cost far more than the rows' bytes
+    (docs/performance.md)."""
+    return torch.ops.fw_dense.rows_bf16(packed, ids)
 
 
 def _scatter(words: torch.Tensor, src: torch.Tensor, first: int, total: int, width: int, part: int | None) -> None:

@@ -332,9 +332,37 @@ at::Tensor linear_bf16_gated(const at::Tensor& x_in, const at::Tensor& wp, bool 
   return out;
 }
 
+// Rows `ids` of a weight from pack_bf16, [len(ids), K]: an embedding read from its tied head's blocks (a
+// block's row c is the word at p * cols + c of each input pair p). Copies words, so any CPU builds it.
+at::Tensor rows_bf16(const at::Tensor& wp, const at::Tensor& ids_in) {
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 2 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() &&
+                  wp.device().is_cpu(),
+              "rows_bf16: the weight must come from pack_bf16");
+  TORCH_CHECK(ids_in.dim() == 1 && !ids_in.is_floating_point() && ids_in.device().is_cpu(),
+              "rows_bf16: ids must be a 1-D integer CPU tensor");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t N = wp.size(0), KP = wp.size(1), n = ids.numel(), whole = N / NR * NR;
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < N, "rows_bf16: row ", id[i], " is outside the weight's ", N, " rows");
+  at::Tensor out = at::empty({n, 2 * KP}, wp.options());
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(wp.const_data_ptr());
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.mutable_data_ptr());
+  at::parallel_for(0, n, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = id[i] / NR, c = id[i] % NR, cols = b * NR < whole ? NR : N - whole;
+      const uint32_t* src = w + b * KP * NR + c;
+      for (int64_t p = 0; p < KP; ++p) o[i * KP + p] = src[p * cols];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_dense, m) {
+  m.def("rows_bf16(Tensor w, Tensor ids) -> Tensor");
+  m.impl("rows_bf16", c10::DispatchKey::CPU, TORCH_FN(rows_bf16));
   m.def("available() -> bool");
   m.impl("available", TORCH_FN(available));
   m.def("pack_bf16(Tensor w) -> Tensor");

@@ -125,6 +125,7 @@ def ready() -> bool:
             register_fake(f"fw_packed_int::{name}", _linear_fake)
         for name in ("silu_q4", "silu_q8"):
             register_fake(f"fw_packed_int::{name}", _silu_fake)
+        register_fake("fw_packed_int::rows_q8", _rows_fake)
     return _state
 
 
@@ -135,6 +136,10 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, rows: int, fp32_out: boo
 
 def _silu_fake(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], rows // 2)
+
+
+def _rows_fake(weight: torch.Tensor, ids: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    return weight.new_empty(ids.shape[0], cols, dtype=dtype)
 
 
 def applies(device: torch.device | str, cols: int, fp8: bool = False) -> bool:

@@ -13,21 +13,12 @@ import torch
 from torch import nn
 
 from fw.kernels.dense import DenseLayout, blocked_rows
-from fw.kernels.packed_int import BLOCK, RECORD_BYTES, TILE, PackedWeight
-
-_QUADS = BLOCK // 4  # an 8-bit record's codes: [quad of 4 inputs][row of the tile][4 inputs]
+from fw.kernels.packed_int import PackedWeight
 
 
 def gather_rows(weight: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` (1-D) of an 8-bit packed weight, [len(ids), cols] in `dtype`."""
-    n, blocks = ids.numel(), weight.cols // BLOCK
-    records = weight.data.view(-1, blocks, RECORD_BYTES[8])[ids // TILE]  # [n, blocks, record]
-    row = (ids % TILE).view(n, 1, 1, 1, 1)
-    codes = records[..., : _QUADS * TILE * 4].view(torch.int8).view(n, blocks, _QUADS, TILE, 4)
-    codes = codes.gather(3, row.expand(n, blocks, _QUADS, 1, 4)).view(n, blocks, BLOCK)
-    scales = records[..., _QUADS * TILE * 4: _QUADS * TILE * 4 + 2 * TILE].contiguous().view(torch.float16)
-    scales = scales.view(n, blocks, TILE).gather(2, row.view(n, 1, 1).expand(n, blocks, 1))
-    return (codes.float() * scales.float()).view(n, weight.cols).to(dtype)
+    """Rows `ids` (1-D) of an 8-bit packed weight, [len(ids), cols] in `dtype` (one C++ op, fw.kernels.packed_int)."""
+    return torch.ops.fw_packed_int.rows_q8(weight.data, ids, weight.cols, dtype)
 
 
 class PackedRowEmbedding(nn.Module):
