@@ -27,7 +27,7 @@ from fw.distributed import kv_budget, rendezvous, shm, step
 from fw.distributed.backend import executor_for, worker_launch
 from fw.distributed.checks import check_config, check_layout
 from fw.distributed.group import TensorParallel
-from fw.distributed.processes import STOP_WAIT_S, describe_exit, stop_processes
+from fw.distributed.processes import STOP_WAIT_S, describe_exit, reap_ended, stop_processes
 from fw.distributed.threads import bind_rank
 from fw.errors import ConfigError, DistributedError
 from fw.kv_cache.allocation import PageBudget
@@ -50,6 +50,9 @@ class Cluster:
         self.failure: str | None = None  # set once a rank is lost: every later step raises it
         self.stepping = False  # the workers are in their step loop (a STOP can reach them)
         self.closed = False
+        # One thread at a time reads the workers' exit status: a waitpid that another thread beat to the
+        # reaping reads "still running" (the watch thread against a failed collective's).
+        self._reaping = threading.RLock()
         self.unbind = lambda: None  # gives this process back the cores and threads it had (threads.py)
         self._step_timeout = timedelta(seconds=config.dist_timeout)
         atexit.register(self.close)
@@ -139,10 +142,11 @@ class Cluster:
         """Raise the failure once there is one (a worker of this node that ended counts): cheap, called
         before each step and every millisecond of a shared-memory all-reduce's wait."""
         if self.failure is None:
-            self._note_dead_workers()
-            if self.failure is not None:
-                logger.error("%s", self.failure)
-                self._stop_workers()  # the others would wait for the lost rank until --dist-timeout
+            with self._reaping:
+                self._note_dead_workers()
+                if self.failure is not None:
+                    logger.error("%s", self.failure)
+                    self._stop_workers()  # the others would wait for the lost rank until --dist-timeout
         if self.failure is not None:
             raise DistributedError(self.failure)
 
@@ -161,27 +165,28 @@ class Cluster:
     def lost(self, exc: BaseException) -> DistributedError:
         """The error for a collective that failed: which rank is gone and how, when this node knows;
         the worker's own report when it left one; else the collective's error and what to check."""
-        if self.failure is None:  # a peer's socket closed: give its death a moment to show
-            alive = [p.sentinel for p in self.procs.values() if p.is_alive()]
-            if alive:
-                multiprocessing.connection.wait(alive, timeout=0.5)
-            self._note_dead_workers()
-        if self.failure is None:
-            errors = rendezvous.reported_errors(self.store, range(1, self.world))
-            if errors:
-                rank, message = min(errors.items())
-                self.failure = f"tensor-parallel rank {rank} failed: {message}"
-        if self.failure is None:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            alive = [str(r) for r, p in sorted(self.procs.items()) if p.is_alive()]
-            plural = len(alive) > 1
-            where = (f"this node's rank{'s' * plural} {', '.join(alive)} still run{'s' * (not plural)} (stopped, "
-                     f"swapping or overloaded?)" if alive else "no rank of this node died")
-            self.failure = (f"the {self.world} tensor-parallel ranks did not answer within --dist-timeout "
-                            f"{self.config.dist_timeout:g} s or lost a peer ({first}); {where}; a rank on another "
-                            f"node may have died")
-        logger.error("%s", self.failure)
-        self._stop_workers()
+        with self._reaping:
+            if self.failure is None:  # a peer's socket closed: give its death a moment to show
+                alive = [p.sentinel for p in self.procs.values() if p.is_alive()]
+                if alive:
+                    reap_ended(self.procs, multiprocessing.connection.wait(alive, timeout=0.5))
+                self._note_dead_workers()
+            if self.failure is None:
+                errors = rendezvous.reported_errors(self.store, range(1, self.world))
+                if errors:
+                    rank, message = min(errors.items())
+                    self.failure = f"tensor-parallel rank {rank} failed: {message}"
+            if self.failure is None:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                alive = [str(r) for r, p in sorted(self.procs.items()) if p.is_alive()]
+                plural = len(alive) > 1
+                where = (f"this node's rank{'s' * plural} {', '.join(alive)} still run{'s' * (not plural)} (stopped, "
+                         f"swapping or overloaded?)" if alive else "no rank of this node died")
+                self.failure = (f"the {self.world} tensor-parallel ranks did not answer within --dist-timeout "
+                                f"{self.config.dist_timeout:g} s or lost a peer ({first}); {where}; a rank on another "
+                                f"node may have died")
+            logger.error("%s", self.failure)
+            self._stop_workers()
         return DistributedError(self.failure)
 
     # -- shutdown ------------------------------------------------------------------------
@@ -204,7 +209,8 @@ class Cluster:
         atexit.unregister(self.close)
 
     def _stop_workers(self) -> None:
-        stop_processes(self.procs, STOP_WAIT_S if self.stepping and self.failure is None else 0.0)
+        with self._reaping:
+            stop_processes(self.procs, STOP_WAIT_S if self.stepping and self.failure is None else 0.0)
 
 
 def _check_model(config: EngineConfig, plugins) -> None:
@@ -216,10 +222,12 @@ def _check_model(config: EngineConfig, plugins) -> None:
 def _watch(ref: "weakref.ref[Cluster]", procs: dict) -> None:
     """Wait for any worker to end; unless the cluster is closing, mark the cluster failed (so the next
     step raises at once), log it and stop the other workers. Holds the cluster only weakly."""
-    multiprocessing.connection.wait([p.sentinel for p in procs.values()])
+    ready = multiprocessing.connection.wait([p.sentinel for p in procs.values()])
     cluster = ref()
     if cluster is None or cluster.closed or cluster.failure is not None:
         return
+    with cluster._reaping:
+        reap_ended(procs, ready)
     try:
         cluster.raise_if_failed()  # logs the failure and stops the other workers
     except DistributedError:

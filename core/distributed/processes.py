@@ -25,6 +25,15 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def reap_ended(procs: Mapping[int, WorkerProcess], ready: list) -> None:
+    """Read the exit status of each process whose sentinel is in `ready` (from
+    `multiprocessing.connection.wait`). A sentinel is ready once the process has closed its files, a moment
+    before its status can be read (longer on a loaded machine); until then it reads as still running."""
+    for proc in procs.values():
+        if proc.sentinel in ready:
+            proc.join(STOP_WAIT_S)
+
+
 def _join_all(procs: Mapping[int, WorkerProcess], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for proc in procs.values():
