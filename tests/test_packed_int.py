@@ -144,6 +144,8 @@ def test_rows_of_an_8bit_weight_reject_a_row_outside_it():
     packed = packed_int.pack(_blocks(8, 37, 96, torch.Generator().manual_seed(4)))  # 3 tiles: 48 padded rows
     with pytest.raises(RuntimeError, match="row 48 is outside"):
         gather_rows(packed, torch.tensor([0, 48]), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="row 37 is outside the weight's 37 rows"):  # a padding row of the tile
+        gather_rows(packed, torch.tensor([37]), torch.bfloat16)
     with pytest.raises(RuntimeError, match="row -1 is outside"):
         gather_rows(packed, torch.tensor([-1]), torch.bfloat16)
 

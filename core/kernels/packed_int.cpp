@@ -583,40 +583,41 @@ at::Tensor silu_q8(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   return linear(x, w, N, false, 1, std::nullopt, 0, true);
 }
 
-// Rows `ids` of an 8-bit packed weight of `cols` inputs, [len(ids), cols] in `dtype`: d * q in fp32, rounded once
-// (an embedding read from its tied Q8_0 head's records). Plain C++, so any CPU builds it.
+// Rows `ids` of an 8-bit packed weight of `rows` x `cols`, [len(ids), cols] in `dtype`: d * q in fp32, rounded
+// once (an embedding read from its tied Q8_0 head's records). Plain C++, so any CPU builds it.
 template <typename T>
 void rows_q8_into(const uint8_t* w, const int64_t* id, int64_t n, int64_t KB, T* out) {
-  constexpr int64_t RECORD = 576, TILE = 16;
+  constexpr int64_t CODES = BLOCK * TILE;  // a record's codes: [8 words of 4 inputs][16 rows][4], then 16 fp16 d
   at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t tile = id[i] / TILE, r = id[i] % TILE;
       for (int64_t b = 0; b < KB; ++b) {
-        const uint8_t* rec = w + (tile * KB + b) * RECORD;
+        const uint8_t* rec = w + (tile * KB + b) * Q8_RECORD;
         uint16_t half;
-        std::memcpy(&half, rec + 512 + 2 * r, 2);
+        std::memcpy(&half, rec + CODES + 2 * r, 2);
         const float d = static_cast<float>(c10::Half(half, c10::Half::from_bits()));
-        T* o = out + i * KB * 32 + b * 32;
-        for (int64_t j = 0; j < 8; ++j)  // codes: [8 words of 4 inputs][16 rows][4]
+        T* o = out + (i * KB + b) * BLOCK;
+        for (int64_t j = 0; j < BLOCK / 4; ++j)
           for (int64_t t = 0; t < 4; ++t)
-            o[4 * j + t] = static_cast<T>(static_cast<float>(static_cast<int8_t>(rec[64 * j + 4 * r + t])) * d);
+            o[4 * j + t] = static_cast<T>(static_cast<float>(static_cast<int8_t>(rec[j * 4 * TILE + 4 * r + t])) * d);
       }
     }
   });
 }
 
-at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& ids_in, int64_t cols, at::ScalarType dtype) {
+at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& ids_in, int64_t rows, int64_t cols, at::ScalarType dtype) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
               "rows_q8: the weight must come from pack (8-bit)");
-  TORCH_CHECK(cols > 0 && cols % 32 == 0 && w.numel() % (cols / 32 * 576) == 0,
-              "rows_q8: ", cols, " inputs do not fit the weight's ", w.numel(), " bytes");
+  const int64_t KB = cols / BLOCK;
+  TORCH_CHECK(cols > 0 && cols % BLOCK == 0 && rows > 0 && w.numel() == (rows + TILE - 1) / TILE * KB * Q8_RECORD,
+              "rows_q8: ", rows, " x ", cols, " weights do not fit the weight's ", w.numel(), " bytes");
   TORCH_CHECK(ids_in.dim() == 1 && !ids_in.is_floating_point() && ids_in.device().is_cpu(),
               "rows_q8: ids must be a 1-D integer CPU tensor");
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  const int64_t KB = cols / 32, rows = w.numel() / (KB * 576) * 16, n = ids.numel();
+  const int64_t n = ids.numel();
   const int64_t* id = ids.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "rows_q8: row ", id[i], " is outside the weight's ", rows, " (padded) rows");
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "rows_q8: row ", id[i], " is outside the weight's ", rows, " rows");
   at::Tensor out = at::empty({n, cols}, w.options().dtype(dtype));
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   switch (dtype) {
@@ -631,7 +632,7 @@ at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& ids_in, int64_t cols, 
 }  // namespace
 
 TORCH_LIBRARY(fw_packed_int, m) {
-  m.def("rows_q8(Tensor w, Tensor ids, int cols, ScalarType dtype) -> Tensor");
+  m.def("rows_q8(Tensor w, Tensor ids, int rows, int cols, ScalarType dtype) -> Tensor");
   m.impl("rows_q8", c10::DispatchKey::CPU, TORCH_FN(rows_q8));
   m.def("available() -> bool");
   m.impl("available", TORCH_FN(available));

@@ -138,7 +138,7 @@ def _silu_fake(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor
     return x.new_empty(x.shape[0], rows // 2)
 
 
-def _rows_fake(weight: torch.Tensor, ids: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+def _rows_fake(weight: torch.Tensor, ids: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     return weight.new_empty(ids.shape[0], cols, dtype=dtype)
 
 

@@ -18,7 +18,7 @@ from fw.kernels.packed_int import PackedWeight
 
 def gather_rows(weight: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` (1-D) of an 8-bit packed weight, [len(ids), cols] in `dtype` (one C++ op, fw.kernels.packed_int)."""
-    return torch.ops.fw_packed_int.rows_q8(weight.data, ids, weight.cols, dtype)
+    return torch.ops.fw_packed_int.rows_q8(weight.data, ids, weight.rows, weight.cols, dtype)
 
 
 class PackedRowEmbedding(nn.Module):
