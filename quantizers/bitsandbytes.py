@@ -21,7 +21,9 @@ multiple of 64). 8-bit dequantizes per matmul on CPU (`int8_vectorwise_dequant`)
 LLM.int8 matmul also quantizes the activations to int8 per row after casting them to fp16, which costs
 accuracy and, on CPU, time; on CUDA it runs `bnb.matmul` with the configured outlier threshold
 (`llm_int8_threshold`, 6.0). `FW_BNB_INT8_MATMUL=1` forces the library matmul on CPU too (see
-docs/choices.md). `lm_head` and `llm_int8_skip_modules` stay unquantized, as in transformers.
+docs/choices.md). On a CPU with fw's packed kernels the int8 codes stay packed: widened to bf16 in registers
+where AVX512-BF16 and -VBMI are there (W8A16, the dequantize-then-matmul's numbers), else on the 8-bit kernel,
+which rounds the activations to int8 (W8A8). `lm_head` and `llm_int8_skip_modules` stay unquantized, as in transformers.
 """
 
 from __future__ import annotations
@@ -375,9 +377,16 @@ class Int8LinearMethod(packed_int.PackedIntSteps, LinearMethod):
         layer.bnb_state = None
         layer.packed_int = None
         if not _int8_matmul_forced() and packed_int.applies(layer.device, layer.input_size):
-            # fw's 8-bit kernel: the int8 codes as they are, the row scale absmax / 127 per block (fp16)
+            # fw's kernels take the int8 codes as they are and the row scale absmax / 127 per block of 32. Where
+            # the widening kernel is built, the codes become bf16 in registers and meet the activations as they
+            # are (W8A16: what the reference path's dequantize-then-matmul computes, and faster at decode sizes);
+            # elsewhere the 8-bit kernel rounds the activations to int8 (W8A8). Figures: docs/quantization.md.
             scale = (layer.SCB.float() / 127).unsqueeze(1).expand(-1, layer.input_size // packed_int.BLOCK)
-            weight = packed_int.pack(packed_int.QuantBlocks(8, layer.weight.data, scale))
+            if packed_int.applies(layer.device, layer.input_size, fp8=True):
+                blocks = packed_int.WideInt8Blocks(layer.weight.data, scale.contiguous())
+            else:
+                blocks = packed_int.QuantBlocks(8, layer.weight.data, scale)
+            weight = packed_int.pack(blocks)
             layer.weight = nn.Parameter(weight.data, requires_grad=False)
             layer.packed_int = [weight]
 

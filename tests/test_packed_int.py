@@ -193,6 +193,56 @@ def test_f8_subnormal_codes_count():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _wide_int8_blocks(n: int, k: int, gen: torch.Generator) -> packed_int.WideInt8Blocks:
+    """Every int8 code -127..127 appears, each block with its own fp32 scale."""
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    every = min(255, codes.numel())
+    codes.view(-1)[:every] = torch.arange(-127, 128, dtype=torch.int8)[:every]
+    return packed_int.WideInt8Blocks(codes, torch.rand(n, k // 32, generator=gen) * 1e-3 + 1e-5)
+
+
+@needs_f8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
+def test_wide_int8_kernel_matches_references(m, n, k, dtype):
+    """int8 codes widened to bf16 (W8A16): the activations as given (bf16), products exact, fp32 sums."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k + 7)
+    blocks = _wide_int8_blocks(n, k, gen)
+    weight = packed_int.pack(blocks)
+    x = (torch.randn(m, k, generator=gen) * 4).to(dtype)
+    got = packed_int.packed_linear(x, [weight], fp32_out=True).double()
+    emulated = packed_int.reference_linear(x, blocks)
+    assert (got - emulated).abs().max() <= 1e-5 * emulated.abs().max()
+    if dtype == torch.bfloat16:  # the plain dequantize-then-matmul: no activation rounding at all
+        exact = x.double() @ blocks.dequantize().double().T
+        assert (got - exact).abs().max() <= 1e-5 * exact.abs().max()
+    out = packed_int.packed_linear(x, [weight])
+    torch.testing.assert_close(out.float(), got.float().to(dtype).float(), rtol=0, atol=0)
+
+
+@needs_f8
+@pytest.mark.parametrize("kind", ["f8", "i8"])
+def test_widening_kernels_answer_a_row_the_same_at_any_batch_size(kind):
+    """Above 8 rows the widening kernels take up to 64 rows a pass (each record widened once for all of them):
+    every row's sums are the ones it gets alone, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    blocks = _fp8_blocks(50, 192, gen) if kind == "f8" else _wide_int8_blocks(50, 192, gen)
+    weight = packed_int.pack(blocks)
+    x = (torch.randn(150, 192, generator=gen) * 4).bfloat16()
+    together = packed_int.packed_linear(x, [weight], fp32_out=True)
+    for r in (0, 7, 8, 63, 64, 65, 149):
+        alone = packed_int.packed_linear(x[r:r + 1], [weight], fp32_out=True)
+        assert torch.equal(together[r:r + 1], alone), r
+
+
+@needs_f8
+def test_wide_int8_refuses_a_code_of_minus_128():
+    codes = torch.zeros(16, 32, dtype=torch.int8)
+    codes[3, 5] = -128
+    with pytest.raises(ValueError, match="-127..127"):
+        packed_int.pack(packed_int.WideInt8Blocks(codes, torch.ones(16, 1)))
+
+
 def test_fused_groups_of_both_formats_stack_by_rows():
     gen = torch.Generator().manual_seed(1)
     parts = [_blocks(4, 40, 64, gen), _blocks(8, 24, 64, gen), _blocks(4, 3, 64, gen)]

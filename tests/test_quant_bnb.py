@@ -363,7 +363,8 @@ def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl
     dequantized, the method quantizes them; chat at temperature 0 says Paris, and perplexity on the
     committed English text stays near the same GGUF dequantized at load (no re-quantization).
 
-    Measured (bf16): 8-bit 23.79 vs 23.80; nf4 28.77 (+21%; fp4 34.3, +44%). Re-quantizing Q4_1's
+    Measured (bf16): 8-bit 23.77 vs 23.75 (int8 codes widened to bf16; on the W8A8 kernel 23.79 vs 23.80);
+    nf4 28.77 (+21%; fp4 34.3, +44%). Re-quantizing Q4_1's
     affine 4-bit grid (blocks of 32) onto nf4's fixed grid (blocks of 64) compounds two 4-bit
     roundings, so the issue's 5% is out of reach for the 4-bit methods on this source (nf4 with
     blocks of 32 measured 27.9, +17%); the bound is the measurement plus a margin."""
@@ -378,7 +379,8 @@ def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl
     from fw.kernels import packed_int
 
     if method == "bitsandbytes-8bit" and packed_int.ready():
-        assert all(m.packed_int is not None and m.packed_int[0].bits == 8 for m in layers.values())
+        wide = packed_int.applies("cpu", 32, fp8=True)  # int8 codes widened to bf16, else the 8-bit kernel
+        assert all(m.packed_int is not None and m.packed_int[0].bits == ("i8" if wide else 8) for m in layers.values())
     if method == "bitsandbytes-nf4" and BF.has_avx512bf16():  # the library's fused CPU kernel, bf16 model
         assert all(m.bnb_cpu is not None for m in layers.values())
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],

@@ -112,9 +112,10 @@ def test_a_short_last_group_repacks_exactly():
     assert not repack_for_kernels(types.SimpleNamespace(device=torch.device("cpu")), q, zeros, scales, 48, drop=())
 
 
-def test_bitsandbytes_8bit_runs_on_the_8bit_kernel(model_dirs, monkeypatch):
-    """LLM.int8 weights (int8 codes, one absmax scale per row) on fw's 8-bit kernel: each linear within
-    fp32 rounding of the int8-activation reference on the library's own dequantized weight."""
+def test_bitsandbytes_8bit_runs_on_the_packed_kernels(model_dirs, monkeypatch):
+    """LLM.int8 weights (int8 codes, one absmax scale per row) on fw's packed kernels: widened to bf16 where the
+    widening kernel is built (W8A16), else on the 8-bit kernel (W8A8); each linear within fp32 rounding of
+    its activations (bf16, or int8 blocks) times the library's own dequantized weight."""
     import bitsandbytes.functional as BF
     from safetensors.torch import load_file
 
@@ -122,12 +123,13 @@ def test_bitsandbytes_8bit_runs_on_the_8bit_kernel(model_dirs, monkeypatch):
     path = model_dirs["gqa"]
     tensors = load_file(str(path / "model.safetensors"))
     llm = make_llm(path, quantization="bitsandbytes-8bit")
+    wide = packed_int.applies("cpu", 32, fp8=True)
     checked = 0
     torch.manual_seed(0)
     for name, layer in llm.engine.loaded.model.named_modules():
         if not isinstance(layer, Linear) or name == "lm_head" or "layers." not in name:
             continue
-        assert layer.packed_int is not None and layer.packed_int[0].bits == 8, name
+        assert layer.packed_int is not None and layer.packed_int[0].bits == ("i8" if wide else 8), name
         parts = [tensors[f"{name.replace(fused, part)}.weight"] for fused, parts_ in
                  (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
                  if name.endswith(fused) for part in parts_] or [tensors[f"{name}.weight"]]
@@ -136,8 +138,9 @@ def test_bitsandbytes_8bit_runs_on_the_8bit_kernel(model_dirs, monkeypatch):
             cb, scb, _ = BF.int8_vectorwise_quant(w.to(torch.float16).contiguous())
             deq.append(cb.double() * (scb.double() / 127).unsqueeze(1))
         x = torch.randn(5, layer.input_size)
-        want = packed_int.quantize_activations(x).double() @ torch.cat(deq).T
+        seen = x.bfloat16() if wide else packed_int.quantize_activations(x)
+        want = seen.double() @ torch.cat(deq).T
         got = layer(x).double()
-        assert (got - want).abs().max() <= 1e-3 * want.abs().max(), name  # fp16 row scales: ~1e-4
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max(), name  # W8A8's fp16 row scales: ~1e-4
         checked += 1
     assert checked == 4 * 3  # the tiny GQA model's 3 layers

@@ -14,13 +14,14 @@
 //   q4: 256 bytes of codes, then 16 fp16 d, then 16 fp16 m                         (320 bytes, 5 bits/weight)
 //   q8: 512 bytes of codes, then 16 fp16 d, then 16 int16 sum(q) of the row         (576 bytes)
 //   f8: 512 bytes of e4m3 codes, then 16 fp32 s                                      (576 bytes)
+//   i8: as f8, the codes int8 in sign-magnitude form (bit 7 the sign, bits 0..6 |q|)  (576 bytes)
 // Records are whole cache lines (5 and 9 of 64 bytes): a 64-byte load never straddles two.
 // Codes are ordered so that one 64-byte vector holds, for each of the 16 rows, 4 consecutive inputs
 // (row r at bytes 4r..4r+3): vpdpbusd with 4 activation bytes broadcast gives 16 row sums at once.
 // q4 vector p (0..3) packs two such vectors: its low nibbles are inputs 8p..8p+3, its high nibbles 8p+4..8p+7.
 // f8 vector j (0..7) holds inputs 4j..4j+3 of the 16 rows: in 128-bit lane l (rows 4l..4l+3), bytes 0..7 are
 // inputs 4j, 4j+1 of each row in turn and bytes 8..15 inputs 4j+2, 4j+3. Widened to bf16 by byte unpacks
-// (E4m3Lookup) they become two vectors of the 16 rows' pairs, which one vdpbf16ps each multiplies with a
+// (Bf16Lookup) they become two vectors of the 16 rows' pairs, which one vdpbf16ps each multiplies with a
 // broadcast activation pair.
 //
 // Activations: each row's block of 32 is quantized to int8 with scale amax / 127 (round to nearest even),
@@ -33,6 +34,7 @@
 //   q8: vpdpbusd takes unsigned x bytes: xq + 128, and sum((xq + 128) q) - 128 sum(q) = sum(xq q).
 //   f8: activations rounded to bf16 (exact when they are bf16), each e4m3 code widened exactly to bf16 by a
 //       table lookup; products exact, sums fp32 (vdpbf16ps), as fw's dense bf16 kernel.
+//   i8: the f8 kernel with a table of the integers 0..127 (every one a bf16): W8A16, no activation rounding.
 // Results are fp32 sums over blocks in input order, written as fp32 or rounded once to bf16.
 // silu_q4 / silu_q8: a SiLU MLP's [gate; up] product with the activation applied as its tiles are written,
 // silu(gate) * up rounded exactly as cpu_ops.silu_mul rounds the plain product's output (built without FP
@@ -72,16 +74,17 @@ constexpr int64_t PREFETCH_AHEAD = 4608;  // bytes: records are requested this f
 
 // Q4, Q8: 4-bit / 8-bit weights, activations in one int8 term but two in each row's heavy blocks; Q8B: Q8's
 // products without a branch (few rows).
-enum class Kind { Q4, Q8, Q8B, F8 };
+enum class Kind { Q4, Q8, Q8B, F8, I8 };
 
 constexpr int64_t BRANCHLESS_MAX_ROWS = 4;  // up to here 8-bit products run both terms and keep one by a mask
 constexpr double HEAVY_FACTOR = 3.0;  // a row's blocks this far above its mean take the residual term
 
 constexpr int64_t record_bytes(Kind kind) {
-  return kind == Kind::Q4 ? Q4_RECORD : kind == Kind::F8 ? F8_RECORD : Q8_RECORD;
+  return kind == Kind::Q4 ? Q4_RECORD : kind == Kind::F8 || kind == Kind::I8 ? F8_RECORD : Q8_RECORD;
 }
 
 constexpr int MR = 8;               // activation rows per pass over a tile's blocks: the weights stay in registers
+constexpr int WIDE_ROWS = 64;       // the same for the widening kinds (f8, i8), their sums in memory
 
 bool available() {
 #ifdef FW_PACKED_INT
@@ -333,13 +336,12 @@ void q8_tile(const uint8_t* tile, int64_t KB, const Acts& acts, int64_t m0, __m5
 #ifdef FW_PACKED_F8
 // bf16 of every non-negative e4m3 code (0..127), split into low and high bytes: a code's value is exactly a
 // normal bf16 (e4m3 subnormals included, which vdpbf16ps would flush to zero as bf16 subnormals).
-struct E4m3Table {
+struct Bf16Table {
   alignas(64) uint8_t lo[128];
   alignas(64) uint8_t hi[128];
-  E4m3Table() {
+  explicit Bf16Table(float (*value)(int)) {
     for (int i = 0; i < 128; ++i) {
-      const int e = i >> 3, m = i & 7;
-      const float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
+      const float v = value(i);
       uint32_t bits;
       std::memcpy(&bits, &v, 4);
       lo[i] = uint8_t(bits >> 16);
@@ -347,14 +349,23 @@ struct E4m3Table {
     }
   }
 };
-const E4m3Table kE4m3;
+float e4m3_value(int i) {
+  const int e = i >> 3, m = i & 7;
+  return e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
+}
+float integer_value(int i) { return float(i); }
+const Bf16Table kE4m3(e4m3_value);
+const Bf16Table kInt8(integer_value);  // |q| of an int8 weight in sign-magnitude form (i8)
 
-// 64 e4m3 codes -> two vectors of 32 bf16: vpermi2b looks up each code's low and high byte (7 bits of index),
+// 64 sign-magnitude codes (e4m3, or i8's integers) -> two vectors of 32 bf16: vpermi2b looks up each code's low
+// and high byte in the table (7 bits of index),
 // the sign bit joins the high byte, and the byte unpacks pair them (within each 128-bit lane: bytes 0..7 of a
 // lane to `first`, 8..15 to `second`; pack() orders the codes for this).
-struct E4m3Lookup {
-  __m512i lo0 = _mm512_load_si512(kE4m3.lo), lo1 = _mm512_load_si512(kE4m3.lo + 64);
-  __m512i hi0 = _mm512_load_si512(kE4m3.hi), hi1 = _mm512_load_si512(kE4m3.hi + 64);
+struct Bf16Lookup {
+  explicit Bf16Lookup(const Bf16Table& t)
+      : lo0(_mm512_load_si512(t.lo)), lo1(_mm512_load_si512(t.lo + 64)), hi0(_mm512_load_si512(t.hi)),
+        hi1(_mm512_load_si512(t.hi + 64)) {}
+  __m512i lo0, lo1, hi0, hi1;
   inline void widen(const uint8_t* p, __m512bh& first, __m512bh& second) const {
     const __m512i c = _mm512_loadu_si512(p);
     const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
@@ -365,25 +376,55 @@ struct E4m3Lookup {
   }
 };
 
+// One activation row's sums over a record's 32 inputs (x: its 16 bf16 pairs): two chains of vdpbf16ps, added.
+// Every widening pass computes a row this way, so a row's result does not depend on the rows beside it.
+inline __m512 widened_sums(const __m512bh* w, const int32_t* x) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  for (int p = 0; p < 16; p += 2) {
+    s0 = _mm512_dpbf16_ps(s0, w[p], (__m512bh)_mm512_set1_epi32(x[p]));
+    s1 = _mm512_dpbf16_ps(s1, w[p + 1], (__m512bh)_mm512_set1_epi32(x[p + 1]));
+  }
+  return _mm512_add_ps(s0, s1);
+}
+
+// widened_sums of two rows, their four chains interleaved (each row's the same as alone): one row's two chains
+// leave vdpbf16ps waiting on its latency.
+inline void widened_sums2(const __m512bh* w, const int32_t* x, const int32_t* y, __m512& sx, __m512& sy) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+  for (int p = 0; p < 16; p += 2) {
+    s0 = _mm512_dpbf16_ps(s0, w[p], (__m512bh)_mm512_set1_epi32(x[p]));
+    t0 = _mm512_dpbf16_ps(t0, w[p], (__m512bh)_mm512_set1_epi32(y[p]));
+    s1 = _mm512_dpbf16_ps(s1, w[p + 1], (__m512bh)_mm512_set1_epi32(x[p + 1]));
+    t1 = _mm512_dpbf16_ps(t1, w[p + 1], (__m512bh)_mm512_set1_epi32(y[p + 1]));
+  }
+  sx = _mm512_add_ps(s0, s1);
+  sy = _mm512_add_ps(t0, t1);
+}
+
+// `rows` activation rows (ROWS of them when ROWS > 0, their sums in registers; else up to WIDE_ROWS, in
+// memory) over all KB blocks of one tile: each record widened once for all the rows. Above MR rows a pass
+// takes up to WIDE_ROWS, where widening the records again for every MR rows dominated large steps.
 template <int ROWS>
-void f8_tile(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc) {
-  const E4m3Lookup table;
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+void f8_tile(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m512* acc, const Bf16Table& codes,
+             int rows = ROWS) {
+  const Bf16Lookup table(codes);
+  const int n = ROWS > 0 ? ROWS : rows;
+  for (int r = 0; r < n; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* rec = tile + b * F8_RECORD;
     prefetch_record<F8_RECORD>(rec + PREFETCH_AHEAD);
     __m512bh w[16];
     for (int j = 0; j < 8; ++j) table.widen(rec + 64 * j, w[2 * j], w[2 * j + 1]);
     const __m512 s = _mm512_loadu_ps(rec + 512);
-    for (int r = 0; r < ROWS; ++r) {
-      const int32_t* x = reinterpret_cast<const int32_t*>(a.bf16 + (m0 + r) * a.ld + b * BLOCK);
-      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-      for (int p = 0; p < 16; p += 2) {
-        s0 = _mm512_dpbf16_ps(s0, w[p], (__m512bh)_mm512_set1_epi32(x[p]));
-        s1 = _mm512_dpbf16_ps(s1, w[p + 1], (__m512bh)_mm512_set1_epi32(x[p + 1]));
-      }
-      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), s, acc[r]);
+    auto row = [&](int r) { return reinterpret_cast<const int32_t*>(a.bf16 + (m0 + r) * a.ld + b * BLOCK); };
+    int r = 0;
+    for (; r + 2 <= n; r += 2) {
+      __m512 sx, sy;
+      widened_sums2(w, row(r), row(r + 1), sx, sy);
+      acc[r] = _mm512_fmadd_ps(sx, s, acc[r]);
+      acc[r + 1] = _mm512_fmadd_ps(sy, s, acc[r + 1]);
     }
+    if (r < n) acc[r] = _mm512_fmadd_ps(widened_sums(w, row(r)), s, acc[r]);
   }
 }
 
@@ -395,24 +436,33 @@ void tile_rows(const uint8_t* tile, int64_t KB, const Acts& a, int64_t m0, __m51
   else if constexpr (KIND == Kind::Q8) q8_tile<ROWS, false>(tile, KB, a, m0, acc);
   else if constexpr (KIND == Kind::Q8B) q8_tile<ROWS, true>(tile, KB, a, m0, acc);
 #ifdef FW_PACKED_F8
-  else f8_tile<ROWS>(tile, KB, a, m0, acc);
+  else if constexpr (KIND == Kind::F8) f8_tile<ROWS>(tile, KB, a, m0, acc, kE4m3);
+  else f8_tile<ROWS>(tile, KB, a, m0, acc, kInt8);
 #endif
 }
 
-// M rows of activations, MR at a time per tile (q4_tile reads each row's two quantized terms itself).
+// M rows of activations, MR at a time per tile (q4_tile reads each row's two quantized terms itself); the
+// widening kinds (f8, i8) take up to WIDE_ROWS at a time above MR.
 template <Kind KIND>
 void run(const Acts& a, const uint8_t* w, int64_t M, int64_t N, bool fp32_out, void* out) {
   const int64_t KB = a.K / BLOCK, NT = (N + TILE - 1) / TILE;
   const int64_t tile_bytes = KB * record_bytes(KIND);
+  constexpr bool wide = KIND == Kind::F8 || KIND == Kind::I8;
+  constexpr int64_t PASS = wide ? WIDE_ROWS : MR;
   at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
-    __m512 acc[MR];
+    __m512 acc[PASS];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
       const int64_t n0 = t * TILE;
       const __mmask16 mask = N - n0 >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int rows = int(std::min<int64_t>(MR, M - m0));
-        switch (rows) {
+      for (int64_t m0 = 0; m0 < M; m0 += PASS) {
+        const int rows = int(std::min<int64_t>(PASS, M - m0));
+#ifdef FW_PACKED_F8
+        if constexpr (wide) {
+          if (rows > MR) f8_tile<0>(tile, KB, a, m0, acc, KIND == Kind::F8 ? kE4m3 : kInt8, rows);
+        }
+#endif
+        if (!wide || rows <= MR) switch (rows) {
           case 8: tile_rows<8, KIND>(tile, KB, a, m0, acc); break;
           case 7: tile_rows<7, KIND>(tile, KB, a, m0, acc); break;
           case 6: tile_rows<6, KIND>(tile, KB, a, m0, acc); break;
@@ -470,7 +520,7 @@ void run_silu(const Acts& a, const uint8_t* w, int64_t M, int64_t N, T* out) {
 
 void check_weight(const at::Tensor& x, const at::Tensor& w, int64_t N, Kind kind, const char* op) {
   const int64_t record = record_bytes(kind);
-  const bool f8 = kind == Kind::F8;
+  const bool f8 = kind == Kind::F8 || kind == Kind::I8;
   TORCH_CHECK(f8 ? f8_available() : available(), op, ": this build has no kernel for it (",
               f8 ? "AVX512-BF16 or AVX512-VBMI" : "AVX512-VNNI", " missing)");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
@@ -507,10 +557,11 @@ const uint16_t* bf16_rows(const at::Tensor& x, std::vector<uint16_t>& copy, int6
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool fp32_out, int kind_index,
                   const std::optional<at::Tensor>& whole_row_squares = std::nullopt, int64_t whole_row_blocks = 0,
                   bool silu = false) {
-  static const char* names[] = {"linear_q4", "linear_q8", "linear_f8"};
+  static const char* names[] = {"linear_q4", "linear_q8", "linear_f8", "linear_i8"};
   static const char* silu_names[] = {"silu_q4", "silu_q8"};
   const char* op = silu ? silu_names[kind_index] : names[kind_index];
-  const Kind kind = kind_index == 0 ? Kind::Q4 : kind_index == 1 ? Kind::Q8 : Kind::F8;
+  static const Kind kinds[] = {Kind::Q4, Kind::Q8, Kind::F8, Kind::I8};
+  const Kind kind = kinds[kind_index];
   check_weight(x_in, w, N, kind, op);
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
@@ -523,7 +574,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   thread_local std::vector<uint16_t> rounded;
   Acts a;
   a.K = K;
-  if (kind == Kind::F8) {
+  if (kind == Kind::F8 || kind == Kind::I8) {
     a.bf16 = bf16_rows(x, rounded, a.ld);
   } else {
     const bool q8 = kind == Kind::Q8;  // unsigned codes (+128) for vpdpbusd's first operand
@@ -555,7 +606,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t N, bool f
   else if (tiles == Kind::Q8B) run<Kind::Q8B>(a, wp, M, N, write_fp32, out.data_ptr());
   else if (tiles == Kind::Q8) run<Kind::Q8>(a, wp, M, N, write_fp32, out.data_ptr());
 #ifdef FW_PACKED_F8
-  else run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());
+  else if (tiles == Kind::F8) run<Kind::F8>(a, wp, M, N, write_fp32, out.data_ptr());
+  else run<Kind::I8>(a, wp, M, N, write_fp32, out.data_ptr());
 #endif
 #endif
   return out;
@@ -573,6 +625,10 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool f
 
 at::Tensor linear_f8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out) {
   return linear(x, w, N, fp32_out, 2);
+}
+
+at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, int64_t N, bool fp32_out) {
+  return linear(x, w, N, fp32_out, 3);
 }
 
 at::Tensor silu_q4(const at::Tensor& x, const at::Tensor& w, int64_t N) {
@@ -650,4 +706,6 @@ TORCH_LIBRARY(fw_packed_int, m) {
   m.impl("silu_q8", c10::DispatchKey::CPU, TORCH_FN(silu_q8));
   m.def("linear_f8(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
   m.impl("linear_f8", c10::DispatchKey::CPU, TORCH_FN(linear_f8));
+  m.def("linear_i8(Tensor x, Tensor w, int N, bool fp32_out=False) -> Tensor");
+  m.impl("linear_i8", c10::DispatchKey::CPU, TORCH_FN(linear_i8));
 }

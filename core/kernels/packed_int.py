@@ -12,7 +12,9 @@ docs/quantization.md). In one process the blocks are chosen by the row alone at 
 never depends on how many rows share the step: a greedy request answers the same alone, batched, or after a
 cached prefix (tensor-parallel ranks: SLICE_HEAVY_MAX_ROWS). A second term everywhere would double the
 integer work of the compute-bound large steps. fp8 weights
-(`Fp8Blocks`) are widened exactly to bf16 in registers and multiplied with bf16 activations (W8A16).
+(`Fp8Blocks`) are widened exactly to bf16 in registers and multiplied with bf16 activations (W8A16); so are
+int8 weights given as `WideInt8Blocks` (the same kernel with a table of integers), which bitsandbytes' int8
+takes: faster than the 8-bit kernel at decode sizes, slower on large steps (docs/quantization.md).
 
 A SiLU MLP's [gate; up] layer on one 4- or 8-bit weight applies the activation in the product (`silu_mul`),
 as fw's dense bf16 kernel does, bit for bit what the product and `cpu_ops.silu_mul` give in turn.
@@ -40,10 +42,10 @@ SOURCE = Path(__file__).with_name("packed_int.cpp")  # package data
 CFLAGS = DEFAULT_CFLAGS + ("-ffp-contract=off",)  # its SiLU rounds as cpu_ops.silu_mul does
 BLOCK = 32  # inputs per block
 TILE = 16  # output rows per tile
-RECORD_BYTES = {4: 320, 8: 576, "f8": 576}  # bytes per (tile, block): codes, then scales and offsets or sums
+RECORD_BYTES = {4: 320, 8: 576, "f8": 576, "i8": 576}  # bytes per (tile, block): codes, then scales and offsets or sums
 _state: bool | None = None  # None: not tried yet
 _f8_state = False  # the fp8 kernel is built too (AVX512-BF16 and -VBMI)
-_OPS: dict[int | str, object] = {}  # bits (4, 8, "f8") -> torch.ops.fw_packed_int.linear_*.default once built
+_OPS: dict[int | str, object] = {}  # bits (4, 8, "f8", "i8") -> torch.ops.fw_packed_int.linear_*.default once built
 _SILU_OPS: dict[int, object] = {}  # bits (4, 8) -> torch.ops.fw_packed_int.silu_q*.default
 
 
@@ -81,8 +83,25 @@ class Fp8Blocks:
 
 
 @dataclass(frozen=True)
+class WideInt8Blocks:
+    """A weight [N, K] as int8 codes (-127..127) and per-(row, block of 32) fp32 scales, w = scale * code, for the
+    kernel that widens the codes to bf16 in registers as the f8 kernel widens e4m3 (W8A16: no activation
+    rounding). `QuantBlocks(8, ...)` is the same weight for the W8A8 kernel."""
+
+    codes: torch.Tensor  # [N, K], int8
+    scale: torch.Tensor  # [N, K / 32] float32
+
+    bits = "i8"
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: the reference the kernel is tested against."""
+        n, k = self.codes.shape
+        return (self.codes.float().view(n, k // BLOCK, BLOCK) * self.scale.float().unsqueeze(-1)).view(n, k)
+
+
+@dataclass(frozen=True)
 class PackedWeight:
-    """A weight in the kernels' layout: `data` is uint8, rows x cols weights of `bits` bits (4, 8 or "f8")."""
+    """A weight in the kernels' layout: `data` is uint8, rows x cols weights of `bits` bits (4, 8, "f8" or "i8")."""
 
     bits: int | str
     rows: int
@@ -119,9 +138,10 @@ def ready() -> bool:
         global _f8_state
         _f8_state = _state and bool(torch.ops.fw_packed_int.f8_available())
         ops = torch.ops.fw_packed_int  # the resolved overloads: the op packet resolves them on every call
-        _OPS.update({4: ops.linear_q4.default, 8: ops.linear_q8.default, "f8": ops.linear_f8.default})
+        _OPS.update({4: ops.linear_q4.default, 8: ops.linear_q8.default, "f8": ops.linear_f8.default,
+                     "i8": ops.linear_i8.default})
         _SILU_OPS.update({4: ops.silu_q4.default, 8: ops.silu_q8.default})
-        for name in ("linear_q4", "linear_q8", "linear_f8"):
+        for name in ("linear_q4", "linear_q8", "linear_f8", "linear_i8"):
             register_fake(f"fw_packed_int::{name}", _linear_fake)
         for name in ("silu_q4", "silu_q8"):
             register_fake(f"fw_packed_int::{name}", _silu_fake)
@@ -143,8 +163,8 @@ def _rows_fake(weight: torch.Tensor, ids: torch.Tensor, rows: int, cols: int, dt
 
 
 def applies(device: torch.device | str, cols: int, fp8: bool = False) -> bool:
-    """A weight of `cols` inputs that will run on `device` can be packed (and the kernels are here; for fp8
-    weights, the f8 kernel, which also needs AVX512-BF16 and AVX512-VBMI)."""
+    """A weight of `cols` inputs that will run on `device` can be packed (and the kernels are here; with `fp8`,
+    the widening kernel of fp8 and `WideInt8Blocks` weights, which also needs AVX512-BF16 and AVX512-VBMI)."""
     return torch.device(device).type == "cpu" and cols % BLOCK == 0 and ready() and (_f8_state or not fp8)
 
 
@@ -178,11 +198,13 @@ def concat(weights: list[PackedWeight]) -> tuple[torch.Tensor, list[PackedWeight
     return flat, out
 
 
-def pack(blocks: QuantBlocks | Fp8Blocks) -> PackedWeight:
+def pack(blocks: QuantBlocks | Fp8Blocks | WideInt8Blocks) -> PackedWeight:
     """`blocks` in the kernels' layout (packed_int.cpp), in the huge-page arena."""
     n, k = blocks.codes.shape
     if k % BLOCK:
         raise ValueError(f"packed weights need inputs in blocks of {BLOCK}; this weight has {k}")
+    if blocks.bits == "i8" and bool((blocks.codes == -128).any()):
+        raise ValueError("int8 weight codes must be in -127..127 (a code of -128 has no sign-magnitude form)")
     kb = k // BLOCK
     if blocks.bits == 4:
         q = _tiles(blocks.codes.to(torch.uint8)).view(-1, TILE, kb, 4, 2, 4)  # [tile, row, block, p, half, t]
@@ -195,9 +217,12 @@ def pack(blocks: QuantBlocks | Fp8Blocks) -> PackedWeight:
         sums = q.sum(dim=(3, 4), dtype=torch.int32).to(torch.int16)  # [tile, row, block]: |sum| <= 4064
         correction = sums.permute(0, 2, 1).contiguous().view(torch.uint8)  # [tile, block, 32 bytes]
         record = torch.cat([codes, _half_bytes(blocks.scale), correction], dim=2)
-    elif blocks.bits == "f8":
+    elif blocks.bits in ("f8", "i8"):
+        raw = blocks.codes.view(torch.uint8)
+        if blocks.bits == "i8":  # sign-magnitude, as e4m3 codes are: bit 7 the sign, bits 0..6 |q|
+            raw = blocks.codes.abs().to(torch.uint8) | (blocks.codes < 0).to(torch.uint8) << 7
         # [tile, lane, row in lane, block, vector, half, t] -> [tile, block, vector, lane, half, row in lane, t]
-        q = _tiles(blocks.codes.view(torch.uint8)).view(-1, 4, 4, kb, 8, 2, 2)
+        q = _tiles(raw).view(-1, 4, 4, kb, 8, 2, 2)
         codes = q.permute(0, 3, 4, 1, 5, 2, 6).reshape(-1, kb, 512)
         scale = _tiles(blocks.scale.float()).permute(0, 2, 1).contiguous().view(torch.uint8)
         record = torch.cat([codes, scale], dim=2)
@@ -242,7 +267,8 @@ def layer_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return out if layer.bias is None else out + layer.bias
 
 
-_OP_NAMES = {4: "fw_packed_int::linear_q4", 8: "fw_packed_int::linear_q8", "f8": "fw_packed_int::linear_f8"}
+_OP_NAMES = {4: "fw_packed_int::linear_q4", 8: "fw_packed_int::linear_q8", "f8": "fw_packed_int::linear_f8",
+             "i8": "fw_packed_int::linear_i8"}
 _SILU_OP_NAMES = {4: "fw_packed_int::silu_q4", 8: "fw_packed_int::silu_q8"}
 
 
@@ -350,10 +376,10 @@ def quantize_activations(x: torch.Tensor, bits: int = 8, residual: bool = True) 
     return seen.view(m, k)
 
 
-def reference_linear(x: torch.Tensor, blocks: QuantBlocks | Fp8Blocks) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, blocks: QuantBlocks | Fp8Blocks | WideInt8Blocks) -> torch.Tensor:
     """The kernels' result computed plainly (float64): the activations as the kernel sees them (int8 blocks;
     bf16 for fp8 weights) times the dequantized weight. Tests hold the kernels to this within fp32 rounding,
     and to x @ W^T within the activations' rounding."""
     flat = x.reshape(-1, x.shape[-1])
-    seen = flat.bfloat16() if blocks.bits == "f8" else quantize_activations(flat, blocks.bits)
+    seen = flat.bfloat16() if blocks.bits in ("f8", "i8") else quantize_activations(flat, blocks.bits)
     return seen.double() @ blocks.dequantize().double().T
