@@ -71,7 +71,7 @@ class QuantBlocks:
 class Fp8Blocks:
     """A weight [N, K] as e4m3 codes and per-(row, block of 32) fp32 scales: w = scale * code."""
 
-    codes: torch.Tensor  # [N, K], torch.float8_e4m3fn
+    codes: torch.Tensor  # [N, K], torch.float8_e4m3fn (int8 in WideInt8Blocks)
     scale: torch.Tensor  # [N, K / 32] float32
 
     bits = "f8"
@@ -83,20 +83,11 @@ class Fp8Blocks:
 
 
 @dataclass(frozen=True)
-class WideInt8Blocks:
-    """A weight [N, K] as int8 codes (-127..127) and per-(row, block of 32) fp32 scales, w = scale * code, for the
-    kernel that widens the codes to bf16 in registers as the f8 kernel widens e4m3 (W8A16: no activation
-    rounding). `QuantBlocks(8, ...)` is the same weight for the W8A8 kernel."""
-
-    codes: torch.Tensor  # [N, K], int8
-    scale: torch.Tensor  # [N, K / 32] float32
+class WideInt8Blocks(Fp8Blocks):
+    """`Fp8Blocks` whose codes are int8 (-127..127): the f8 kernel widens them to bf16 in registers with a table
+    of integers (W8A16: no activation rounding). `QuantBlocks(8, ...)` is the same weight for the W8A8 kernel."""
 
     bits = "i8"
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]: the reference the kernel is tested against."""
-        n, k = self.codes.shape
-        return (self.codes.float().view(n, k // BLOCK, BLOCK) * self.scale.float().unsqueeze(-1)).view(n, k)
 
 
 @dataclass(frozen=True)
