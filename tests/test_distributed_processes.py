@@ -27,7 +27,6 @@ class _Process:
         if self.ended:
             self.exitcode = -9
 
-
     def close(self) -> None:
         os.close(self.sentinel)
         if not self.ended:
