@@ -29,13 +29,13 @@ _LINEARS = {  # HF sub-name -> GGUF sub-name
 _K_SCALES = {"Q4_K": ((0, 1.5e-3), (2, 1.5e-3)), "Q5_K": ((0, 8e-4), (2, 8e-4)), "Q6_K": ((208, 3e-4),)}
 
 
-def hf_config(vocab_size: int, tokenizer, rope_theta: float = 10000.0):
+def hf_config(vocab_size: int, tokenizer, rope_theta: float = 10000.0, tied: bool = False):
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=512,
-        rope_theta=rope_theta, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=rope_theta, rms_norm_eps=1e-5, tie_word_embeddings=tied,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, architectures=["LlamaForCausalLM"],
     )
@@ -81,16 +81,17 @@ class GGUFCase:
 
 
 def write_tiny_llama_gguf(path: Path, qtype, tokenizer, seed: int = 0, permute_qk: bool = True,
-                          overrides: dict | None = None) -> GGUFCase:
+                          overrides: dict | None = None, tied: bool = False) -> GGUFCase:
     """A random Llama whose linear weights (and untied LM head) are stored as `qtype`, except the HF
     sub-names in `overrides` (e.g. {"self_attn.v_proj": Q6_K}); norms and the embedding as F32.
-    `permute_qk=False` stores q/k in HF's (neox) order."""
+    `permute_qk=False` stores q/k in HF's (neox) order. `tied`: no LM head of its own, and the embedding
+    stored as `qtype` (as llama.cpp writes tied models: the head reads token_embd)."""
     overrides = overrides or {}
     import gguf
 
     rng = np.random.default_rng(seed)
     vocab = len(tokenizer)
-    cfg = hf_config(vocab, tokenizer)
+    cfg = hf_config(vocab, tokenizer, tied=tied)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(512)
     writer.add_block_count(LAYERS)
@@ -121,7 +122,11 @@ def write_tiny_llama_gguf(path: Path, qtype, tokenizer, seed: int = 0, permute_q
             deq = from_llama_cpp(deq, heads)
         reference[hf_name] = torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
 
-    add_float("model.embed_tokens.weight", "token_embd.weight", rng.normal(0, 0.1, (vocab, HIDDEN)))
+    embedding = rng.normal(0, 0.1, (vocab, HIDDEN))
+    if tied:
+        add_quant("model.embed_tokens.weight", "token_embd.weight", embedding, qtype, None)
+    else:
+        add_float("model.embed_tokens.weight", "token_embd.weight", embedding)
     for i in range(LAYERS):
         add_float(f"model.layers.{i}.input_layernorm.weight", f"blk.{i}.attn_norm.weight",
                   rng.uniform(0.8, 1.2, HIDDEN))
@@ -136,7 +141,9 @@ def write_tiny_llama_gguf(path: Path, qtype, tokenizer, seed: int = 0, permute_q
             add_quant(f"model.layers.{i}.{hf_sub}.weight", f"blk.{i}.{gguf_sub}.weight",
                       rng.normal(0, 0.15, (out_dim, in_dim)), overrides.get(hf_sub, qtype), heads)
     add_float("model.norm.weight", "output_norm.weight", np.full(HIDDEN, 4.0))
-    add_quant("lm_head.weight", "output.weight", rng.normal(0, 0.1, (vocab, HIDDEN)), overrides.get("lm_head", qtype), None)
+    if not tied:
+        add_quant("lm_head.weight", "output.weight", rng.normal(0, 0.1, (vocab, HIDDEN)),
+                  overrides.get("lm_head", qtype), None)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -151,6 +158,9 @@ def hf_reference_model(case: GGUFCase):
 
     model = LlamaForCausalLM._from_config(case.config, attn_implementation="eager").to(torch.float32)
     missing, unexpected = model.load_state_dict(case.reference, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    tied = case.config.tie_word_embeddings  # the head is the embedding's parameter
+    assert not unexpected and all("rotary" in m or (tied and m == "lm_head.weight") for m in missing), (missing,
+                                                                                                        unexpected)
+    assert not tied or model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model.generation_config.eos_token_id = None
     return model.eval()

@@ -118,30 +118,32 @@ def test_a_row_parallel_slice_chooses_heavy_blocks_against_the_whole_row():
     assert (split(None) - emulated).abs().max() > 1e-4 * emulated.abs().max()
 
 
-def test_rows_of_an_8bit_weight_are_its_dequantized_rows():
-    """PackedRowEmbedding (a tied Q8_0 embedding read from the head's packed blocks) gives exactly the
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_of_a_packed_weight_are_its_dequantized_rows(bits):
+    """PackedRowEmbedding (a tied GGUF embedding read from the head's packed blocks) gives exactly the
     dequantized rows, in any order and at tile edges of a row count that is no multiple of 16."""
     from fw.layers.packed_embedding import PackedRowEmbedding, gather_rows
 
     gen = torch.Generator().manual_seed(3)
-    blocks = _blocks(8, 37, 96, gen)
+    blocks = _blocks(bits, 37, 96, gen)
     embedding = PackedRowEmbedding(packed_int.pack(blocks), torch.bfloat16)
     ids = torch.tensor([[36, 0, 15], [16, 31, 32]])
     want = blocks.dequantize().float().bfloat16()[ids]
     got = embedding(ids)
     assert got.shape == (2, 3, 96) and got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, 96)
-    # fp32 and fp16 round the same fp32 product once; int32 ids read the same rows
+    # fp32 and fp16 round the same fp32 value once; int32 ids read the same rows
     flat = ids.reshape(-1)
     for dtype in (torch.float32, torch.float16):
         got = gather_rows(embedding.packed, flat.int(), dtype)
         assert got.dtype == dtype and torch.equal(got, blocks.dequantize().float().to(dtype)[flat])
 
 
-def test_rows_of_an_8bit_weight_reject_a_row_outside_it():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_of_a_packed_weight_reject_a_row_outside_it(bits):
     from fw.layers.packed_embedding import gather_rows
 
-    packed = packed_int.pack(_blocks(8, 37, 96, torch.Generator().manual_seed(4)))  # 3 tiles: 48 padded rows
+    packed = packed_int.pack(_blocks(bits, 37, 96, torch.Generator().manual_seed(4)))  # 3 tiles: 48 padded rows
     with pytest.raises(RuntimeError, match="row 48 is outside"):
         gather_rows(packed, torch.tensor([0, 48]), torch.bfloat16)
     with pytest.raises(RuntimeError, match="row 37 is outside the weight's 37 rows"):  # a padding row of the tile
@@ -341,3 +343,9 @@ def test_ops_trace_under_torch_compile():
     x = torch.randn(3, 64, generator=gen)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
+    from fw.layers.packed_embedding import PackedRowEmbedding
+
+    ids = torch.tensor([0, 23, 16])
+    for weight in weights[:2]:  # 4-bit and 8-bit rows
+        embedding = PackedRowEmbedding(weight, torch.float32)
+        assert torch.equal(torch.compile(embedding, fullgraph=True, backend="aot_eager")(ids), embedding(ids))

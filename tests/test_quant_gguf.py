@@ -113,6 +113,20 @@ def test_mixed_shard_types_in_one_fused_layer(gguf_dir, tokenizer):
     assert _greedy(llm, tokenizer) == _hf_greedy(case, tokenizer)
 
 
+def test_float_tensors_among_packed_ones_keep_their_values(gguf_dir, tokenizer):
+    """A file whose linears are partly F16 or F32 (llama.cpp writes some so): their stored bytes are kept, not
+    their values cast to bytes (as a kept-packed load once did, failing on the shapes)."""
+    case = _case(gguf_dir, tokenizer, "floats", T.Q4_0, overrides={"self_attn.v_proj": T.F16, "mlp.down_proj": T.F32})
+    llm = _llm(case, gguf_dir)
+    modules = dict(llm.engine.loaded.model.named_modules())
+    qkv, down = modules["model.layers.0.self_attn.qkv_proj"], modules["model.layers.0.mlp.down_proj"]
+    assert [g.kind for g in qkv.gguf_groups] == [int(T.Q4_0), int(T.F16)] and down.gguf_groups[0].kind == int(T.F32)
+    for prefix, layer in (("model.layers.0.self_attn.qkv_proj", qkv), ("model.layers.0.mlp.down_proj", down)):
+        x = torch.randn(3, layer.input_size)
+        torch.testing.assert_close(layer(x), x @ _expected_weight(case, prefix).T, rtol=1e-5, atol=1e-5)
+    assert _greedy(llm, tokenizer) == _hf_greedy(case, tokenizer)
+
+
 def _mean_nll(llm, text: str) -> float:
     out = llm.generate([text], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))[0]
     ids = out.prompt_token_ids
@@ -167,6 +181,45 @@ def test_kernel_path_repacks_and_matches_the_int8_activation_reference(qtype, gg
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
     reference = _mean_nll(_llm(case, gguf_dir), text)
     assert abs(kernel - reference) < 0.03 * reference  # int8 activations (a prompt's rows): measured 0.2-1.4%
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_tied_embedding_is_kept_once_as_the_head_and_never_dequantized(qtype, gguf_dir, tokenizer, monkeypatch):
+    """A tied GGUF embedding stays in its blocks once, as the LM head, and the embedding's rows are read there
+    (4-bit and 8-bit records): the load dequantizes nothing (it used to dequantize the whole embedding to
+    fp32 and drop it), the rows are the head's kernel weight's (the file's own for Q4_0, Q4_1 and Q8_0), and
+    the text's likelihood is within the activations' rounding of the plain-torch path's, whose tokens equal
+    transformers' on the same tied weights."""
+    import gguf.quants
+
+    case = _case(gguf_dir, tokenizer, f"tied_{qtype.name}", qtype, tied=True)
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
+
+    def no_dequantizing(data, qtype):
+        raise AssertionError(f"the kept-packed load dequantized a {qtype.name} tensor of {data.size} bytes")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf.quants, "dequantize", no_dequantizing)
+        llm = _llm(case, gguf_dir)
+    model = llm.engine.loaded.model
+    bits = 8 if qtype in (T.Q8_0, *REQUANTIZED) else 4
+    assert [w.bits for w in model.lm_head.packed_int] == [bits]
+    assert isinstance(model.model.embed_tokens, PackedRowEmbedding)
+    assert not any("embed_tokens" in n for n, _ in model.named_parameters())  # no dense copy held
+    ids = torch.tensor([0, 1, 15, 16, 17, case.config.vocab_size - 1])  # tile edges, the last row
+    rows = model.model.embed_tokens(ids)
+    want = _kernel_weight(case, "model.embed_tokens", qtype)[ids].to(rows.dtype)
+    if qtype == T.Q4_K:  # its sub-block scales rounded to fp16 (gguf._q4_k_blocks)
+        torch.testing.assert_close(rows, want, rtol=2e-3, atol=1e-3)
+    else:
+        assert torch.equal(rows, want)
+    text = " ".join(PROMPTS * 3)
+    kernel = _mean_nll(llm, text)
+    monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
+    plain = _llm(case, gguf_dir)
+    assert _mean_nll(plain, text) == pytest.approx(kernel, rel=0.03)  # int8 activations: as the test above
+    assert _greedy(plain, tokenizer) == _hf_greedy(case, tokenizer)
 
 
 @needs_kernels

@@ -639,8 +639,15 @@ at::Tensor silu_q8(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   return linear(x, w, N, false, 1, std::nullopt, 0, true);
 }
 
-// Rows `ids` of an 8-bit packed weight of `rows` x `cols`, [len(ids), cols] in `dtype`: d * q in fp32, rounded
-// once (an embedding read from its tied Q8_0 head's records). Plain C++, so any CPU builds it.
+// Rows `ids` of a packed weight of `rows` x `cols`, [len(ids), cols] in `dtype`: an embedding read from its tied
+// head's records. Each value is computed as QuantBlocks.dequantize does, in fp32 (d * q, then + m for 4-bit; this
+// file builds without FMA contraction) and rounded once. Plain C++, so any CPU builds it.
+float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
 template <typename T>
 void rows_q8_into(const uint8_t* w, const int64_t* id, int64_t n, int64_t KB, T* out) {
   constexpr int64_t CODES = BLOCK * TILE;  // a record's codes: [8 words of 4 inputs][16 rows][4], then 16 fp16 d
@@ -649,9 +656,7 @@ void rows_q8_into(const uint8_t* w, const int64_t* id, int64_t n, int64_t KB, T*
       const int64_t tile = id[i] / TILE, r = id[i] % TILE;
       for (int64_t b = 0; b < KB; ++b) {
         const uint8_t* rec = w + (tile * KB + b) * Q8_RECORD;
-        uint16_t half;
-        std::memcpy(&half, rec + CODES + 2 * r, 2);
-        const float d = static_cast<float>(c10::Half(half, c10::Half::from_bits()));
+        const float d = half_at(rec + CODES + 2 * r);
         T* o = out + (i * KB + b) * BLOCK;
         for (int64_t j = 0; j < BLOCK / 4; ++j)
           for (int64_t t = 0; t < 4; ++t)
@@ -661,28 +666,72 @@ void rows_q8_into(const uint8_t* w, const int64_t* id, int64_t n, int64_t KB, T*
   });
 }
 
-at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& ids_in, int64_t rows, int64_t cols, at::ScalarType dtype) {
+template <typename T>
+void rows_q4_into(const uint8_t* w, const int64_t* id, int64_t n, int64_t KB, T* out) {
+  // a record: codes [4 quarters of 8 inputs][16 rows][4 bytes] (byte t of quarter p: input 8p + t in the low
+  // nibble, 8p + 4 + t in the high one), then 16 fp16 scales d, then 16 fp16 offsets m
+  constexpr int64_t CODES = BLOCK * TILE / 2;
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t tile = id[i] / TILE, r = id[i] % TILE;
+      for (int64_t b = 0; b < KB; ++b) {
+        const uint8_t* rec = w + (tile * KB + b) * Q4_RECORD;
+        const float d = half_at(rec + CODES + 2 * r), m = half_at(rec + CODES + 2 * TILE + 2 * r);
+        T* o = out + (i * KB + b) * BLOCK;
+        for (int64_t p = 0; p < 4; ++p)
+          for (int64_t t = 0; t < 4; ++t) {
+            const uint8_t byte = rec[p * 4 * TILE + 4 * r + t];
+            o[8 * p + t] = static_cast<T>(static_cast<float>(byte & 15) * d + m);
+            o[8 * p + 4 + t] = static_cast<T>(static_cast<float>(byte >> 4) * d + m);
+          }
+      }
+    }
+  });
+}
+
+at::Tensor checked_ids(const char* op, const at::Tensor& w, const at::Tensor& ids_in, int64_t rows, int64_t cols,
+                       int64_t record) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
-              "rows_q8: the weight must come from pack (8-bit)");
+              op, ": the weight must come from pack");
   const int64_t KB = cols / BLOCK;
-  TORCH_CHECK(cols > 0 && cols % BLOCK == 0 && rows > 0 && w.numel() == (rows + TILE - 1) / TILE * KB * Q8_RECORD,
-              "rows_q8: ", rows, " x ", cols, " weights do not fit the weight's ", w.numel(), " bytes");
+  TORCH_CHECK(cols > 0 && cols % BLOCK == 0 && rows > 0 && w.numel() == (rows + TILE - 1) / TILE * KB * record,
+              op, ": ", rows, " x ", cols, " weights do not fit the weight's ", w.numel(), " bytes");
   TORCH_CHECK(ids_in.dim() == 1 && !ids_in.is_floating_point() && ids_in.device().is_cpu(),
-              "rows_q8: ids must be a 1-D integer CPU tensor");
-  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
-  const int64_t n = ids.numel();
+              op, ": ids must be a 1-D integer CPU tensor");
+  at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t* id = ids.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "rows_q8: row ", id[i], " is outside the weight's ", rows, " rows");
-  at::Tensor out = at::empty({n, cols}, w.options().dtype(dtype));
-  const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, op, ": row ", id[i], " is outside the weight's ", rows, " rows");
+  return ids;
+}
+
+template <typename F>
+at::Tensor rows_in(const char* op, const at::Tensor& w, const at::Tensor& ids, int64_t cols, at::ScalarType dtype,
+                   F&& into) {
+  at::Tensor out = at::empty({ids.numel(), cols}, w.options().dtype(dtype));
   switch (dtype) {
-    case at::kBFloat16: rows_q8_into(wp, id, n, KB, out.mutable_data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: rows_q8_into(wp, id, n, KB, out.mutable_data_ptr<c10::Half>()); break;
-    case at::kFloat: rows_q8_into(wp, id, n, KB, out.mutable_data_ptr<float>()); break;
-    default: TORCH_CHECK(false, "rows_q8: dtype must be bfloat16, float16 or float32, got ", dtype);
+    case at::kBFloat16: into(out.mutable_data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: into(out.mutable_data_ptr<c10::Half>()); break;
+    case at::kFloat: into(out.mutable_data_ptr<float>()); break;
+    default: TORCH_CHECK(false, op, ": dtype must be bfloat16, float16 or float32, got ", dtype);
   }
   return out;
+}
+
+at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& ids_in, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  const at::Tensor ids = checked_ids("rows_q8", w, ids_in, rows, cols, Q8_RECORD);
+  const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  return rows_in("rows_q8", w, ids, cols, dtype,
+                 [&](auto* out) { rows_q8_into(wp, id, ids.numel(), cols / BLOCK, out); });
+}
+
+at::Tensor rows_q4(const at::Tensor& w, const at::Tensor& ids_in, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  const at::Tensor ids = checked_ids("rows_q4", w, ids_in, rows, cols, Q4_RECORD);
+  const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  return rows_in("rows_q4", w, ids, cols, dtype,
+                 [&](auto* out) { rows_q4_into(wp, id, ids.numel(), cols / BLOCK, out); });
 }
 
 }  // namespace
@@ -690,6 +739,8 @@ at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& ids_in, int64_t rows, 
 TORCH_LIBRARY(fw_packed_int, m) {
   m.def("rows_q8(Tensor w, Tensor ids, int rows, int cols, ScalarType dtype) -> Tensor");
   m.impl("rows_q8", c10::DispatchKey::CPU, TORCH_FN(rows_q8));
+  m.def("rows_q4(Tensor w, Tensor ids, int rows, int cols, ScalarType dtype) -> Tensor");
+  m.impl("rows_q4", c10::DispatchKey::CPU, TORCH_FN(rows_q4));
   m.def("available() -> bool");
   m.impl("available", TORCH_FN(available));
   m.def("f8_available() -> bool");

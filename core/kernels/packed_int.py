@@ -136,7 +136,8 @@ def ready() -> bool:
             register_fake(f"fw_packed_int::{name}", _linear_fake)
         for name in ("silu_q4", "silu_q8"):
             register_fake(f"fw_packed_int::{name}", _silu_fake)
-        register_fake("fw_packed_int::rows_q8", _rows_fake)
+        for name in ("rows_q4", "rows_q8"):
+            register_fake(f"fw_packed_int::{name}", _rows_fake)
     return _state
 
 

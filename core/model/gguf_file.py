@@ -10,6 +10,7 @@ llama.cpp's Q/K row permutation) through `ArchitectureSpec.gguf_weight_transform
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 from functools import cached_property
 from pathlib import Path
@@ -157,8 +158,8 @@ class GGUFModel:
                      head_from_embedding: bool = False) -> Iterator[tuple[str, "torch.Tensor | GGUFWeight"]]:
         """(HF name, tensor) pairs, dequantized to `dtype`; names for which `keep_packed(name)` is true
         come as `GGUFWeight` (block bytes, one row per output row) instead, whatever their type.
-        `head_from_embedding`: the tied embedding also comes packed as `lm_head.weight` (the head keeps
-        its blocks; the embedding's rows are looked up dense)."""
+        `head_from_embedding`: the tied embedding comes packed as `lm_head.weight` only (the head keeps its
+        blocks and the embedding's rows are read from them, fw.layers.packed_embedding), never dequantized."""
         from gguf import GGMLQuantizationType  # here: the gguf library costs start-up time; only dequantizing needs it
         from gguf.quants import dequantize  # here: only dequantizing needs it
 
@@ -168,12 +169,9 @@ class GGUFModel:
             packed = (keep_packed is not None and len(shape) == 2 and keep_packed(name)) or (
                 head_from_embedding and t.name == "token_embd.weight")
             if packed:
-                data = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True).reshape(shape[0], -1))
-                weight = GGUFWeight(data, int(t.tensor_type), t.tensor_type.name, shape)
-                if t.name != "token_embd.weight":
-                    yield name, weight
-                    continue
-                yield "lm_head.weight", weight
+                weight = GGUFWeight(_stored_bytes(t.data, shape[0]), int(t.tensor_type), t.tensor_type.name, shape)
+                yield ("lm_head.weight" if t.name == "token_embd.weight" else name), weight
+                continue
             try:
                 if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                     array = np.array(t.data)  # a copy: the memory map is read-only
@@ -184,6 +182,15 @@ class GGUFModel:
                                      f"could not be dequantized: {exc}") from None
             tensor = torch.from_numpy(np.ascontiguousarray(array).reshape(shape)).to(dtype)
             yield name, tensor
+
+
+def _stored_bytes(array: np.ndarray, rows: int) -> torch.Tensor:
+    """A tensor's bytes as stored (uint8 [rows, bytes per row], whatever its type), a view of the file's
+    read-only memory map: the load copies each layer's bytes once, when its method packs them, so the file is
+    never held in anonymous memory as a whole. Nothing writes to it (the map would fault)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return torch.from_numpy(array.view(np.uint8).reshape(rows, -1))
 
 
 def is_packable_linear(name: str) -> bool:

@@ -125,12 +125,12 @@ def load_model(cfg: EngineConfig, plugins: PluginManager, tensor_parallel: Tenso
         raise
     except (ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"{source.path}: weights do not fit the {arch.name} architecture: {exc}") from None
+    if head_from_embedding:  # before the check: the embedding's rows come from the head's blocks, never loaded dense
+        embedding_from_head(model)
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
         raise ModelLoadError(f"{source.path}: checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
-    if head_from_embedding:
-        embedding_from_head(model)  # the embedding's rows from the head's packed blocks: no dense copy
-    else:
+    if not head_from_embedding:
         embedding_from_tied_head(model)  # the rows from a tied head packed for the dense kernel: no second copy
     bind_kv_cache(model, plan.kv_cache_dtype, kv_scales)
     model.to(device).eval()
