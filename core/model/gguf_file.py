@@ -160,9 +160,6 @@ class GGUFModel:
         come as `GGUFWeight` (block bytes, one row per output row) instead, whatever their type.
         `head_from_embedding`: the tied embedding comes packed as `lm_head.weight` only (the head keeps its
         blocks and the embedding's rows are read from them, fw.layers.packed_embedding), never dequantized."""
-        from gguf import GGMLQuantizationType  # here: the gguf library costs start-up time; only dequantizing needs it
-        from gguf.quants import dequantize  # here: only dequantizing needs it
-
         for t in self.reader.tensors:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
             name = hf_tensor_name(t.name)
@@ -173,15 +170,34 @@ class GGUFModel:
                 yield ("lm_head.weight" if t.name == "token_embd.weight" else name), weight
                 continue
             try:
-                if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                    array = np.array(t.data)  # a copy: the memory map is read-only
-                else:
-                    array = dequantize(t.data, t.tensor_type)
+                tensor = _dequantized(t.data, t.tensor_type, shape, dtype)
             except Exception as exc:
                 raise ModelLoadError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) "
                                      f"could not be dequantized: {exc}") from None
-            tensor = torch.from_numpy(np.ascontiguousarray(array).reshape(shape)).to(dtype)
             yield name, tensor
+
+
+_PIECE_BYTES = 16 << 20  # fp32 bytes dequantized at a time
+
+
+def _dequantized(data: np.ndarray, qtype, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor in `dtype`, dequantized a piece of rows at a time into its own storage: a large tensor's whole
+    fp32 form (SmolLM2's embedding: 113 MB) is never held beside it."""
+    from gguf import GGMLQuantizationType  # here: the gguf library costs start-up time; only dequantizing needs it
+    from gguf.quants import dequantize
+
+    out = torch.empty(shape, dtype=dtype)
+    rows_out = out.view(-1, shape[-1])
+    rows_in = data.reshape(rows_out.shape[0], -1)
+    step = max(1, _PIECE_BYTES // (4 * shape[-1]))
+    for start in range(0, rows_out.shape[0], step):
+        piece = rows_in[start:start + step]
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            values = np.array(piece)  # a copy: the memory map is read-only
+        else:
+            values = dequantize(piece, qtype)
+        rows_out[start:start + step] = torch.from_numpy(values.reshape(-1, shape[-1]))
+    return out
 
 
 def _stored_bytes(array: np.ndarray, rows: int) -> torch.Tensor:
