@@ -382,7 +382,7 @@ class Int8LinearMethod(packed_int.PackedIntSteps, LinearMethod):
             # are (W8A16: what the reference path's dequantize-then-matmul computes, and faster at decode sizes);
             # elsewhere the 8-bit kernel rounds the activations to int8 (W8A8). Figures: docs/quantization.md.
             scale = (layer.SCB.float() / 127).unsqueeze(1).expand(-1, layer.input_size // packed_int.BLOCK)
-            if packed_int.applies(layer.device, layer.input_size, fp8=True):
+            if packed_int.applies(layer.device, layer.input_size, widening=True):
                 blocks = packed_int.WideInt8Blocks(layer.weight.data, scale.contiguous())
             else:
                 blocks = packed_int.QuantBlocks(8, layer.weight.data, scale)

@@ -174,7 +174,7 @@ class Fp8LinearMethod(packed_int.PackedIntSteps, LinearMethod):
         kb = layer.input_size // packed_int.BLOCK
         if self.block is not None and self.block[1] % packed_int.BLOCK:
             return  # a scale block that splits a block of 32 inputs: the reference path
-        if layer.params_dtype != torch.bfloat16 or not packed_int.applies(layer.device, layer.input_size, fp8=True):
+        if layer.params_dtype != torch.bfloat16 or not packed_int.applies(layer.device, layer.input_size, widening=True):
             return
         scale = self._scales(layer)[:, :: packed_int.BLOCK][:, :kb]
         weight = packed_int.pack(packed_int.Fp8Blocks(layer.weight.data, scale))

@@ -63,7 +63,7 @@ def test_int4_checkpoints_on_the_kernels_keep_perplexity(fmt, int4_checkpoints, 
 
 @pytest.mark.parametrize("method", ["fp8", "bitsandbytes-8bit", "bitsandbytes-nf4"])
 def test_quantize_on_load_fast_paths_keep_perplexity(method, monkeypatch):
-    if method == "fp8" and not packed_int.applies("cpu", 32, fp8=True):
+    if method == "fp8" and not packed_int.applies("cpu", 32, widening=True):
         pytest.skip("no AVX512-BF16/VBMI CPU: fp8 stays on its reference path")
     reference = _perplexity(monkeypatch, False, str(SMOLLM2), quantization=method)
     fast = _perplexity(monkeypatch, True, str(SMOLLM2), quantization=method)

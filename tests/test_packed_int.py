@@ -152,7 +152,7 @@ def test_rows_of_a_packed_weight_reject_a_row_outside_it(bits):
         gather_rows(packed, torch.tensor([-1]), torch.bfloat16)
 
 
-needs_f8 = pytest.mark.skipif(not packed_int.applies("cpu", 32, fp8=True), reason="no AVX512-BF16/VBMI CPU")
+needs_f8 = pytest.mark.skipif(not packed_int.applies("cpu", 32, widening=True), reason="no AVX512-BF16/VBMI CPU")
 
 
 def _fp8_blocks(n: int, k: int, gen: torch.Generator) -> packed_int.Fp8Blocks:
@@ -322,7 +322,7 @@ def test_layout_is_checked():
 def test_switch_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv("FW_CPU_PACKED_INT", "0")
     assert not packed_int.ready() and not packed_int.applies("cpu", 64)
-    assert not packed_int.applies("cpu", 64, fp8=True)
+    assert not packed_int.applies("cpu", 64, widening=True)
     monkeypatch.setenv("FW_CPU_PACKED_INT", "1")
     assert packed_int.applies("cpu", 64) and not packed_int.applies("cpu", 48) and not packed_int.applies("cuda", 64)
 
@@ -334,7 +334,7 @@ def test_ops_trace_under_torch_compile():
     ops.register_fused_cpu_fakes()
     gen = torch.Generator().manual_seed(4)
     weights = [packed_int.pack(_blocks(4, 40, 64, gen)), packed_int.pack(_blocks(8, 24, 64, gen))]
-    if packed_int.applies("cpu", 64, fp8=True):
+    if packed_int.applies("cpu", 64, widening=True):
         weights.append(packed_int.pack(_fp8_blocks(8, 64, gen)))
 
     def f(x):

@@ -379,7 +379,7 @@ def test_smollm2_gguf_requantized_answers_paris_and_keeps_perplexity(method, ppl
     from fw.kernels import packed_int
 
     if method == "bitsandbytes-8bit" and packed_int.ready():
-        wide = packed_int.applies("cpu", 32, fp8=True)  # int8 codes widened to bf16, else the 8-bit kernel
+        wide = packed_int.applies("cpu", 32, widening=True)  # int8 codes widened to bf16, else the 8-bit kernel
         assert all(m.packed_int is not None and m.packed_int[0].bits == ("i8" if wide else 8) for m in layers.values())
     if method == "bitsandbytes-nf4" and BF.has_avx512bf16():  # the library's fused CPU kernel, bf16 model
         assert all(m.bnb_cpu is not None for m in layers.values())

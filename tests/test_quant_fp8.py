@@ -198,7 +198,7 @@ def test_bf16_model_runs_fp8_on_the_packed_kernel(layout, gqa_dir, tmp_path):
     (16 x 16 here) keep the reference path."""
     from fw.kernels import packed_int
 
-    if not packed_int.applies("cpu", 32, fp8=True):
+    if not packed_int.applies("cpu", 32, widening=True):
         pytest.skip("no AVX512-BF16/VBMI CPU or no C++ toolchain")
     deq = write_fp8_checkpoint(gqa_dir, tmp_path / layout, layout)
     model = make_llm(tmp_path / layout, dtype="bfloat16").engine.loaded.model

@@ -123,7 +123,7 @@ def test_bitsandbytes_8bit_runs_on_the_packed_kernels(model_dirs, monkeypatch):
     path = model_dirs["gqa"]
     tensors = load_file(str(path / "model.safetensors"))
     llm = make_llm(path, quantization="bitsandbytes-8bit")
-    wide = packed_int.applies("cpu", 32, fp8=True)
+    wide = packed_int.applies("cpu", 32, widening=True)
     checked = 0
     torch.manual_seed(0)
     for name, layer in llm.engine.loaded.model.named_modules():

@@ -154,10 +154,11 @@ def _rows_fake(weight: torch.Tensor, ids: torch.Tensor, rows: int, cols: int, dt
     return weight.new_empty(ids.shape[0], cols, dtype=dtype)
 
 
-def applies(device: torch.device | str, cols: int, fp8: bool = False) -> bool:
-    """A weight of `cols` inputs that will run on `device` can be packed (and the kernels are here; with `fp8`,
-    the widening kernel of fp8 and `WideInt8Blocks` weights, which also needs AVX512-BF16 and AVX512-VBMI)."""
-    return torch.device(device).type == "cpu" and cols % BLOCK == 0 and ready() and (_f8_state or not fp8)
+def applies(device: torch.device | str, cols: int, widening: bool = False) -> bool:
+    """A weight of `cols` inputs that will run on `device` can be packed (and the kernels are here; with
+    `widening`, the kernel that widens fp8 and `WideInt8Blocks` codes to bf16, which also needs AVX512-BF16 and
+    AVX512-VBMI)."""
+    return torch.device(device).type == "cpu" and cols % BLOCK == 0 and ready() and (_f8_state or not widening)
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
