@@ -183,7 +183,8 @@ _PIECE_BYTES = 16 << 20  # fp32 bytes dequantized at a time
 def _dequantized(data: np.ndarray, qtype, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The tensor in `dtype`, dequantized a piece of rows at a time into its own storage: a large tensor's whole
     fp32 form (SmolLM2's embedding: 113 MB) is never held beside it."""
-    from gguf import GGMLQuantizationType  # here: the gguf library costs start-up time; only dequantizing needs it
+    # here: the gguf library costs start-up time; only dequantizing needs it
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     out = torch.empty(shape, dtype=dtype)
