@@ -4,6 +4,7 @@ The heavy names (LLM, SamplingParams, ...) load lazily so that `fw --version`
 and `fw plugins list` do not pay for importing torch.
 """
 
+import fw.started  # noqa: F401  first: start-up is timed from here (fw.warm.startup)
 from fw.version import PLUGIN_API_VERSION, __version__
 
 _LAZY = {

@@ -23,6 +23,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from fw.started import IMPORTED_AT
+
 logger = logging.getLogger("fw.startup")
 
 # The phases fw itself records, in start-up order (plugins and the compile step may add others).
@@ -36,16 +38,24 @@ WARMUP = "warm-up"
 
 
 def process_age() -> float | None:
-    """Seconds since this process started (from /proc; None where that is not available)."""
+    """Seconds since this program started (None where /proc is not available).
+
+    /proc dates a process from its fork. A shell that runs other commands and then execs fw as its last one
+    (`./scripts/bootstrap.sh && fw serve`; a container's `setup && exec fw serve`) forked long before fw
+    began, so the age is also bounded by the time since `import fw` plus the CPU time the process had used
+    by then: the interpreter's start, for `fw` itself (a waiting shell uses almost none). A program that
+    waits before it imports fw is dated from about that import."""
+    imported, cpu_then = IMPORTED_AT
+    since_exec = time.monotonic() - imported + cpu_then
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         start_ticks = int(fields[19])  # field 22 of stat(5); the split drops pid and comm
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return None
+    return max(0.0, min(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), since_exec))
 
 
 class StartupReport:
