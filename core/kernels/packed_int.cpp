@@ -689,8 +689,10 @@ void rows_q4_into(const uint8_t* w, const int64_t* id, int64_t n, int64_t KB, T*
   });
 }
 
-at::Tensor checked_ids(const char* op, const at::Tensor& w, const at::Tensor& ids_in, int64_t rows, int64_t cols,
-                       int64_t record) {
+// The rows op around one of the two `*_into` loops above: the arguments checked, then `into` run for `dtype`.
+template <typename Into>
+at::Tensor gathered_rows(const char* op, int64_t record, const at::Tensor& w, const at::Tensor& ids_in, int64_t rows,
+                         int64_t cols, at::ScalarType dtype, Into&& into) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
               op, ": the weight must come from pack");
   const int64_t KB = cols / BLOCK;
@@ -698,40 +700,30 @@ at::Tensor checked_ids(const char* op, const at::Tensor& w, const at::Tensor& id
               op, ": ", rows, " x ", cols, " weights do not fit the weight's ", w.numel(), " bytes");
   TORCH_CHECK(ids_in.dim() == 1 && !ids_in.is_floating_point() && ids_in.device().is_cpu(),
               op, ": ids must be a 1-D integer CPU tensor");
-  at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
   const int64_t* id = ids.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < ids.numel(); ++i)
+  for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < rows, op, ": row ", id[i], " is outside the weight's ", rows, " rows");
-  return ids;
-}
-
-template <typename F>
-at::Tensor rows_in(const char* op, const at::Tensor& w, const at::Tensor& ids, int64_t cols, at::ScalarType dtype,
-                   F&& into) {
-  at::Tensor out = at::empty({ids.numel(), cols}, w.options().dtype(dtype));
+  at::Tensor out = at::empty({n, cols}, w.options().dtype(dtype));
+  const uint8_t* wp = w.const_data_ptr<uint8_t>();
   switch (dtype) {
-    case at::kBFloat16: into(out.mutable_data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: into(out.mutable_data_ptr<c10::Half>()); break;
-    case at::kFloat: into(out.mutable_data_ptr<float>()); break;
+    case at::kBFloat16: into(wp, id, n, KB, out.mutable_data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: into(wp, id, n, KB, out.mutable_data_ptr<c10::Half>()); break;
+    case at::kFloat: into(wp, id, n, KB, out.mutable_data_ptr<float>()); break;
     default: TORCH_CHECK(false, op, ": dtype must be bfloat16, float16 or float32, got ", dtype);
   }
   return out;
 }
 
-at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& ids_in, int64_t rows, int64_t cols, at::ScalarType dtype) {
-  const at::Tensor ids = checked_ids("rows_q8", w, ids_in, rows, cols, Q8_RECORD);
-  const uint8_t* wp = w.const_data_ptr<uint8_t>();
-  const int64_t* id = ids.const_data_ptr<int64_t>();
-  return rows_in("rows_q8", w, ids, cols, dtype,
-                 [&](auto* out) { rows_q8_into(wp, id, ids.numel(), cols / BLOCK, out); });
+at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& ids, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  return gathered_rows("rows_q8", Q8_RECORD, w, ids, rows, cols, dtype,
+                       [](auto... args) { rows_q8_into(args...); });
 }
 
-at::Tensor rows_q4(const at::Tensor& w, const at::Tensor& ids_in, int64_t rows, int64_t cols, at::ScalarType dtype) {
-  const at::Tensor ids = checked_ids("rows_q4", w, ids_in, rows, cols, Q4_RECORD);
-  const uint8_t* wp = w.const_data_ptr<uint8_t>();
-  const int64_t* id = ids.const_data_ptr<int64_t>();
-  return rows_in("rows_q4", w, ids, cols, dtype,
-                 [&](auto* out) { rows_q4_into(wp, id, ids.numel(), cols / BLOCK, out); });
+at::Tensor rows_q4(const at::Tensor& w, const at::Tensor& ids, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  return gathered_rows("rows_q4", Q4_RECORD, w, ids, rows, cols, dtype,
+                       [](auto... args) { rows_q4_into(args...); });
 }
 
 }  // namespace
